@@ -1,0 +1,1 @@
+"""EAGLE-3 draft head: model, draft vocabulary, training-time test, export."""
