@@ -424,3 +424,27 @@ class CaptureReader:
 
     def config_dict(self) -> dict:
         return asdict(CaptureConfig(self.layer_ids, self.manifest["dtype"], self.manifest["max_length"]))
+
+
+def summarize(reader: CaptureReader) -> dict:
+    """Headline numbers of a capture: sizes, assistant share, bytes per token on disk."""
+    m = reader.manifest
+    disk = sum((reader.path / e["file"]).stat().st_size for e in m["shards"])
+    H = reader.hidden_size
+    k = len(reader.layer_ids.ids)
+    elt = torch.empty(0, dtype=_storage_dtype(m["dtype"])).element_size()
+    lengths = reader.lengths()
+    return {
+        "samples": len(reader),
+        "tokens": m["num_tokens"],
+        "assistant_tokens": m["num_loss_tokens"],
+        "assistant_share": round(m["num_loss_tokens"] / max(m["num_tokens"], 1), 3),
+        "mean_length": round(sum(lengths) / max(len(lengths), 1), 1),
+        "max_length": max(lengths, default=0),
+        "layer_ids": str(reader.layer_ids),
+        "dtype": m["dtype"],
+        "disk_bytes": disk,
+        "bytes_per_token": round(disk / max(m["num_tokens"], 1), 1),
+        "bytes_per_token_parts": {"aux_hidden": k * H * elt, "last_hidden": H * elt,
+                                  "input_ids": 8, "loss_mask": 1},
+    }
