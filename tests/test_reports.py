@@ -1,0 +1,253 @@
+"""Report runner: real papermill runs of tiny notebooks (seconds each), HTML offline embedding,
+failure path, parameter validation, recorded figures, pipeline stage cache, index, browser."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench import reports as R
+
+NB = Path(__file__).parent / "notebooks"
+PLOT, FAIL, STAGE = NB / "tiny_plot.ipynb", NB / "tiny_fail.ipynb", NB / "tiny_stage.ipynb"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _venv_kernel():
+    """The notebooks name kernel `python3`; it must start this interpreter (the venv's), where
+    workbench is importable. jupyter_client maps a spec's `python` argv to sys.executable."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    assert spec.argv[0] in ("python", "python3", sys.executable), spec.argv
+
+
+@pytest.fixture(scope="module")
+def plot_run(tmp_path_factory):
+    rd = tmp_path_factory.mktemp("reports")
+    return R.run_notebook(PLOT, {"n_points": 7, "greeting": "bonjour", "seed": 11}, rd), rd
+
+
+def _plotlyjs_head() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return get_plotlyjs()[:400]
+
+
+def test_success_run_writes_ipynb_html_manifest(plot_run):
+    r, rd = plot_run
+    assert r.status == "ok" and r.ipynb.is_file() and r.html.is_file()
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", r.run_id)
+    assert r.run_dir == rd / r.run_id
+    nb = json.loads(r.ipynb.read_text())
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert "GREETING=bonjour N=7" in text  # injected parameters took effect
+    assert "GREETING=bonjour N=7" in r.html.read_text()
+    m = json.loads(r.manifest.read_text())
+    assert m["status"] == "ok" and m["run_id"] == r.run_id
+    (e,) = m["notebooks"]
+    assert e["parameters"] == {"n_points": 7, "greeting": "bonjour", "seed": 11}
+    assert e["seeds"] == {"seed": 11} and e["duration_s"] > 0 and e["status"] == "ok"
+    assert len(e["source_sha256"]) == 64
+    for k in ("git", "packages", "host", "accelerator"):
+        assert k in m
+    assert {"torch", "transformers", "papermill", "plotly", "workbench"} <= set(m["packages"])
+    assert m["host"]["cpu_count"] >= 1 and "dirty" in m["git"]
+
+
+def test_html_is_offline_with_plotlyjs_once(plot_run):
+    r, _ = plot_run
+    html = r.html.read_text()
+    assert html.count(_plotlyjs_head()) == 1  # the bundle, inlined once
+    assert not re.search(r"<script[^>]+src=", html)  # no CDN / external scripts at all
+    assert "cdn.plot.ly/plotly" not in html
+    assert html.count('class="plotly-graph-div"') == 2  # both figures, as live plotly divs
+    assert "Plotly.newPlot" in html
+
+
+def test_recorded_figures_land_in_manifest_and_index(plot_run):
+    r, rd = plot_run
+    assert r.figures == {"tau": pytest.approx(1.7), "greeting": "bonjour"}
+    m = json.loads(r.manifest.read_text())
+    assert m["figures"]["tau"] == pytest.approx(1.7)
+    index = (rd / "index.html").read_text()
+    assert r.run_id in index and f"{r.run_id}/tiny_plot.html" in index
+    assert "<th>tau</th>" in index and "1.7" in index
+
+
+def test_record_outside_runner_is_local(monkeypatch):
+    monkeypatch.delenv(R.RUN_DIR_ENV, raising=False)
+    assert R.record("x", 3) == 3 and R.RECORDED["x"] == 3
+
+
+def test_unknown_parameter_refused_before_execution(tmp_path):
+    with pytest.raises(R.UnknownParameters) as ei:
+        R.run_notebook(PLOT, {"n_point": 3}, tmp_path)
+    msg = str(ei.value)
+    assert "n_point" in msg and "greeting" in msg and "n_points" in msg
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_failing_notebook_keeps_ipynb_html_and_names_cell(tmp_path):
+    with pytest.raises(R.NotebookFailed) as ei:
+        R.run_notebook(FAIL, {"divisor": 0}, tmp_path)
+    e = ei.value
+    msg = str(e)
+    assert "tiny_fail.ipynb" in msg and "cell 2" in msg and "1 / divisor" in msg
+    assert "ZeroDivisionError" in msg and "division by zero" in msg
+    assert e.ipynb.is_file() and e.html is not None and e.html.is_file()
+    html = re.sub(r"<[^>]+>", "", e.html.read_text())  # highlighting splits code into spans
+    assert "ZeroDivisionError" in html and "Traceback" in html and "1 / divisor" in html
+    m = json.loads((e.run_dir / R.MANIFEST).read_text())
+    assert m["status"] == "failed" and "ZeroDivisionError" in m["notebooks"][0]["error"]
+    assert "failed" in (tmp_path / "index.html").read_text()
+
+
+def test_cli_run_and_failure_exit_code(tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["run", str(STAGE), "-p", "value", "41", "-p", "upstream", "1",
+                             "--reports-dir", str(tmp_path)])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert "result=42" in ok.output
+    (pf := tmp_path / "p.yaml").write_text("divisor: 0\n")
+    bad = runner.invoke(app, ["run", str(FAIL), "-f", str(pf), "--reports-dir", str(tmp_path)])
+    assert bad.exit_code != 0 and "tiny_fail.ipynb failed in cell 2" in bad.output
+    unk = runner.invoke(app, ["run", str(FAIL), "-p", "nope", "1", "--reports-dir", str(tmp_path)])
+    assert unk.exit_code != 0 and "divisor" in unk.output
+
+
+def test_parse_value_like_papermill():
+    assert R.parse_value("3") == 3 and R.parse_value("1e-3") == 0.001
+    assert R.parse_value("true") is True and R.parse_value("null") is None
+    assert R.parse_value("hello world") == "hello world" and R.parse_value("[1, 2]") == [1, 2]
+
+
+def test_pipeline_passes_outputs_skips_and_forces(tmp_path):
+    rd, art = tmp_path / "reports", tmp_path / "art"
+    stages = [
+        R.Stage(STAGE, {"value": 2, "out_dir": str(art / "a")}, name="first", outputs=("out_dir",)),
+        R.Stage(
+            STAGE,
+            {
+                "value": 10,
+                "upstream": "${first.result}",
+                "in_dir": "${first.out_dir}",
+                "out_dir": str(art / "b"),
+            },
+            name="second",
+            outputs=("out_dir",),
+        ),  # fmt: skip
+    ]
+    logs: list[str] = []
+    res = R.run_pipeline(stages, rd, log=logs.append)
+    assert [r.status for r in res] == ["ok", "ok"] and res[0].run_id == res[1].run_id
+    assert res[1].figures["result"] == 12  # 10 + first's recorded result
+    assert json.loads((art / "b" / "manifest.json").read_text()) == {"result": 12}
+    m = json.loads((res[0].run_dir / R.MANIFEST).read_text())
+    assert [e["stage"] for e in m["notebooks"]] == ["first", "second"]
+    assert "in_dir" in m["notebooks"][1]["inputs"] and "out_dir" not in m["notebooks"][1]["inputs"]
+    assert (rd / R.STAGE_CACHE).is_file()
+
+    logs.clear()
+    again = R.run_pipeline(stages, rd, log=logs.append)
+    assert [r.status for r in again] == ["skipped", "skipped"]
+    assert sum("skipped" in s for s in logs) == 2 and again[1].figures["result"] == 12
+    m = json.loads((again[0].run_dir / R.MANIFEST).read_text())
+    assert [e["reused_from"] for e in m["notebooks"]] == [res[0].run_id] * 2
+
+    forced = R.run_pipeline(stages, rd, force=True, log=logs.append)
+    assert [r.status for r in forced] == ["ok", "ok"]
+
+    # a changed input artifact (second stage reads first's out_dir manifest) reruns only stage 2
+    (art / "a" / "manifest.json").write_text('{"result": "edited"}')
+    part = R.run_pipeline(stages, rd, log=logs.append)
+    assert [r.status for r in part] == ["skipped", "ok"]
+    assert len(R.list_runs(rd)) == 4
+
+
+def test_unresolved_reference_names_stage():
+    with pytest.raises(KeyError, match="no earlier stage named 'zzz'"):
+        R.resolve_references({"a": "${zzz.x}"}, {})
+    got = R.resolve_references(
+        {"a": "${s.x}", "b": "p-${s.x}"}, {"s": {"figures": {"x": 1}, "parameters": {}}}
+    )
+    assert got == {"a": 1, "b": "p-1"}
+
+
+def test_index_and_compare(tmp_path):
+    a = R.run_notebook(STAGE, {"value": 1}, tmp_path)
+    b = R.run_notebook(STAGE, {"value": 5}, tmp_path)
+    index = (tmp_path / "index.html").read_text()
+    assert a.run_id in index and b.run_id in index
+    page = R.compare_runs(a.run_id, b.run_id, tmp_path)
+    assert page.name == f"compare-{a.run_id}-vs-{b.run_id}.html"
+    text = page.read_text()
+    diffs = re.findall(r"<tr class=diff><th>([^<]*)</th>", text)
+    assert "tiny_stage: param value" in diffs and "tiny_stage: figure result" in diffs
+    assert "package torch" not in diffs
+    assert page.name in (tmp_path / "index.html").read_text()
+    with pytest.raises(FileNotFoundError, match="no run"):
+        R.compare_runs(a.run_id, "nope", tmp_path)
+
+
+def test_input_artifacts_hash_files_and_manifest_dirs(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"abc")
+    (d := tmp_path / "cap").mkdir()
+    (d / "manifest.json").write_text("{}")
+    got = R.input_artifacts({"f": str(tmp_path / "f.bin"), "d": str(d), "x": "not-a-path", "n": 3})
+    assert set(got) == {"f", "d"} and got["d"]["kind"] == "dir-manifest"
+    assert got["f"]["sha256"].startswith("ba7816bf")
+
+
+@pytest.mark.skipif(
+    R.find_chromium() is None, reason="chromium not installed (apt-get install -y chromium)"
+)
+def test_html_renders_in_headless_chromium(plot_run, tmp_path):
+    r, _ = plot_run
+    shot = tmp_path / "tiny_plot.png"
+    got = R.check_html_in_browser(r.html, screenshot=shot)
+    assert got["plots"] == 2 and got["rendered_plots"] == 2 and got["main_svgs"] >= 2, got
+    assert got["js_errors"] == [] and got["console_errors"] == [] and got["log_uncaught"] == [], got
+    assert shot.is_file() and shot.stat().st_size > 10_000 and got["ok"], got
+
+
+@pytest.mark.skipif(
+    R.find_chromium() is None, reason="chromium not installed (apt-get install -y chromium)"
+)
+def test_browser_check_catches_js_errors(tmp_path):
+    page = tmp_path / "bad.html"
+    page.write_text("<!DOCTYPE html><html><head></head><body><script>console.error('c');"
+                    "throw new Error('boom')</script></body></html>")  # fmt: skip
+    got = R.check_html_in_browser(page, min_plots=0)
+    assert (
+        not got["ok"]
+        and any("boom" in e for e in got["js_errors"])
+        and got["console_errors"] == ["c"]
+    )
+
+
+def test_export_strips_cdn_from_notebook_renderer_output(tmp_path):
+    """Figures shown with a `notebook_connected`-style renderer (CDN script + div) still work
+    offline: the CDN tags go, plotly.js is inlined once."""
+    import nbformat
+    import plotly.graph_objects as go
+    import plotly.io as pio
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    fig_html = pio.to_html(go.Figure(go.Bar(y=[1, 2])), include_plotlyjs="cdn", full_html=False)
+    assert "cdn.plot.ly" in fig_html
+    cell = new_code_cell(
+        "fig.show()", outputs=[new_output("display_data", {"text/html": fig_html})]
+    )
+    nbformat.write(new_notebook(cells=[cell]), ip := tmp_path / "x.ipynb")
+    html = R.export_html(ip, tmp_path / "x.html").read_text()
+    assert not re.search(r"<script[^>]+src=", html) and html.count(_plotlyjs_head()) == 1
+    assert html.count('class="plotly-graph-div"') == 1
