@@ -162,5 +162,91 @@ def compare(
         _fail(str(e))
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def train(ctx: typer.Context) -> None:
+    """Train an EAGLE-3 draft (TTT, resumable): --capture DIR --out DIR [--profile quick|full] ...
+
+    All options of `python -m workbench.draft.train` (see `workbench train --help`)."""
+    from workbench.capture import CaptureError
+    from workbench.draft.train import TrainError, main
+    from workbench.layers import LayerConventionError
+    from workbench.target import TargetError
+
+    try:
+        code = main(list(ctx.args))
+    except (TrainError, CaptureError, TargetError, LayerConventionError) as e:
+        _fail(str(e))
+    raise typer.Exit(code)
+
+
+@app.command("export")
+def export_draft(
+    draft: str = typer.Option(..., "--draft", help="training run dir, checkpoint dir, or an export dir to convert"),
+    fmt: str = typer.Option("sglang", "--format", help="sglang | speculators"),
+    out: str = typer.Option(..., "--out", help="export directory (written atomically)"),
+    verifier: str = typer.Option("", "--verifier", help="speculators: verifier (target) name or path"),
+    speculative_tokens: int = typer.Option(3, "--speculative-tokens", help="speculators: draft tokens per step"),
+    dtype: str = typer.Option("", "--dtype", help="float32 | bfloat16 | float16 (default: as trained)"),
+    target_max_positions: int = typer.Option(0, "--target-max-position-embeddings",
+                                             help="refuse a draft whose context is shorter than the target's"),
+) -> None:
+    """Export a draft in the layout SGLang (--speculative-draft-model-path) or vLLM loads."""
+    from workbench.draft.export import (
+        FORMATS,
+        SGLANG,
+        DraftImportError,
+        ExportError,
+        export_sglang,
+        export_speculators,
+        load_any,
+    )
+    from workbench.draft.train import TrainError
+    from workbench.layers import LayerConventionError
+
+    if fmt not in FORMATS:
+        _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt != SGLANG and not verifier:
+        _fail("--format speculators needs --verifier (the target's hub id or path)")
+    try:
+        d, prov, warns = load_any(draft)
+        kw = dict(dtype=dtype or None, target_max_position_embeddings=target_max_positions or None)
+        if fmt == SGLANG:
+            path = export_sglang(d, out, prov, **kw)
+        else:
+            path = export_speculators(d, out, verifier, speculative_tokens, prov, **kw)
+    except (ExportError, DraftImportError, TrainError, LayerConventionError) as e:
+        _fail(str(e))
+    for w in warns:
+        typer.secho(f"warning (source): {w}", fg=typer.colors.YELLOW, err=True)
+    ids = d.config.layer_ids
+    typer.echo(f"exported {fmt} draft to {path} (aux layers {list(ids.canonical)} output_of_layer)")
+
+
+@app.command("import-draft")
+def import_draft_cmd(
+    path: str = typer.Argument(..., help="SGLang/SpecForge/EAGLE or speculators draft directory"),
+    layer_convention: str = typer.Option("", "--layer-convention",
+                                         help="output_of_layer | input_of_layer | hf_hidden_states_index"),
+    layer_ids: str = typer.Option("", "--layer-ids", help="ids when the config has none, e.g. '1,14,26'"),
+    target_max_positions: int = typer.Option(0, "--target-max-position-embeddings"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 when anything is flagged"),
+) -> None:
+    """Load an outside draft for inspection: print its shape, wiring and what looks wrong."""
+    from workbench.draft.export import DraftImportError, import_draft
+    from workbench.layers import LayerConventionError
+
+    try:
+        imp = import_draft(path, layer_convention or None, layer_ids=layer_ids or None,
+                           target_max_position_embeddings=target_max_positions or None)
+    except (DraftImportError, LayerConventionError) as e:
+        _fail(str(e))
+    typer.echo(imp.summary())
+    if strict and imp.warnings:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

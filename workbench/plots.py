@@ -112,3 +112,115 @@ def bytes_per_token(reader):
         height=380,
     )
     return fig
+
+
+# ---------------------------------------------------------------- 02 train draft
+
+
+def _events(metrics: list[dict], kind: str) -> list[dict]:
+    return [m for m in metrics if m.get("event") == kind]
+
+
+def train_curves(metrics: list[dict]):
+    """Loss, and accuracy per TTT position: held-out (solid) against training (dotted).
+
+    A wide gap between the two at position 0 means the draft memorizes: more data helps more
+    than more steps."""
+    import plotly.graph_objects as go
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    tr, ev = _events(metrics, "train"), _events(metrics, "eval")
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("training loss (sum of 0.8^i x CE_i)", "accuracy per TTT position"),
+    )
+    fig.add_trace(
+        go.Scatter(x=[m["step"] for m in tr], y=[m["loss"] for m in tr], name="loss",
+                   mode="lines", line_color="#444"),
+        row=1, col=1,
+    )  # fmt: skip
+    n = max([len(m["acc"]) for m in tr + ev] or [0])
+    colors = qualitative.Plotly
+    for i in range(n):
+        c = colors[i % len(colors)]
+        if ev:
+            fig.add_trace(
+                go.Scatter(x=[m["step"] for m in ev], y=[m["acc"][i] for m in ev],
+                           name=f"held-out acc_{i}", legendgroup=f"p{i}", mode="lines+markers",
+                           line_color=c),
+                row=1, col=2,
+            )  # fmt: skip
+        fig.add_trace(
+            go.Scatter(x=[m["step"] for m in tr], y=[m["acc"][i] for m in tr],
+                       name=f"train acc_{i}", legendgroup=f"p{i}", mode="lines",
+                       line=dict(color=c, dash="dot"), opacity=0.6, visible=True if i == 0 else "legendonly"),
+            row=1, col=2,
+        )  # fmt: skip
+    last = ev[-1]["acc"][0] if ev else float("nan")
+    fig.update_layout(
+        title=f"Draft training: loss and per-position accuracy (held-out acc_0 {last:.3f})",
+        template="plotly_white",
+        height=420,
+    )
+    fig.update_xaxes(title_text="optimizer step")
+    fig.update_yaxes(title_text="loss", row=1, col=1)
+    fig.update_yaxes(title_text="top-1 agreement with the target", range=[0, 1], row=1, col=2)
+    return fig
+
+
+def tau_curve(metrics: list[dict], pays_off: float = 1.3):
+    """Simulated accept length tau = 1 + sum_k prod_{j<=k} a_j on the held-out split."""
+    import plotly.graph_objects as go
+
+    ev = _events(metrics, "eval")
+    steps = [m["step"] for m in ev]
+    fig = go.Figure(
+        go.Scatter(x=steps, y=[m["tau"] for m in ev], mode="lines+markers", name="simulated tau")
+    )
+    k = max([len(m.get("tau_k") or []) for m in ev] or [0])
+    for j in range(k - 1):  # tau with fewer draft steps: where the extra steps stop paying
+        fig.add_trace(
+            go.Scatter(x=steps, y=[m["tau_k"][j] for m in ev], mode="lines", name=f"{j + 1} draft steps",
+                       line=dict(dash="dot", width=1), opacity=0.6)
+        )  # fmt: skip
+    fig.add_hline(
+        y=pays_off, line_dash="dash", line_color="red",
+        annotation_text=f"~{pays_off}: below this speculation does not pay on CPU",
+    )  # fmt: skip
+    last = ev[-1]["tau"] if ev else float("nan")
+    fig.update_layout(
+        title=f"Simulated accept length tau on held-out data (chain, bonus included): {last:.2f}",
+        xaxis_title="optimizer step",
+        yaxis_title="tokens per target forward",
+        template="plotly_white",
+        height=400,
+    )
+    return fig
+
+
+def vocab_coverage(curve: dict[int, float], chosen: int | None = None):
+    """Share of assistant tokens inside a top-k draft vocab, against k (log x)."""
+    import plotly.graph_objects as go
+
+    ks = sorted(curve)
+    fig = go.Figure(
+        go.Scatter(x=ks, y=[curve[k] for k in ks], mode="lines+markers", name="coverage")
+    )
+    title = "Draft-vocab coverage of assistant tokens"
+    if chosen:
+        near = min(ks, key=lambda k: abs(k - chosen))
+        fig.add_vline(x=chosen, line_dash="dash",
+                      annotation_text=f"draft vocab {chosen}: {curve[near]:.1%}")  # fmt: skip
+        title += f" (chosen {chosen}: {curve[near]:.1%})"
+    fig.update_layout(
+        title=title,
+        xaxis_title="draft vocab size (most frequent target ids)",
+        yaxis_title="share of assistant tokens covered",
+        xaxis_type="log",
+        yaxis_range=[0, 1.02],
+        template="plotly_white",
+        height=380,
+    )
+    return fig
