@@ -140,6 +140,41 @@ def run(
 
 
 @app.command()
+def pipeline(
+    profile: str = typer.Option("quick", help="quick (~25 min on 2 cores) or full (~2-3 h, better draft)"),
+    target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
+    reports_dir: str = typer.Option("reports", "--reports-dir"),
+    force: bool = typer.Option(False, "--force", help="rerun stages whose inputs are unchanged"),
+    browser_check: bool = typer.Option(True, help="open each HTML report in headless Chromium when available"),
+) -> None:
+    """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) as one report run."""
+    from workbench.pipeline import stages
+    from workbench.reports import (
+        NotebookFailed,
+        UnknownParameters,
+        check_html_in_browser,
+        find_chromium,
+    )
+    from workbench.reports import run_pipeline as run_stages
+
+    try:
+        results = run_stages(stages(profile, target), reports_dir, force=force, progress_bar=True)
+    except (UnknownParameters, NotebookFailed, ValueError, KeyError) as e:
+        _fail(str(e))
+    typer.echo(f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results))
+    figures = {k: v for r in results for k, v in r.figures.items()}
+    if figures:
+        typer.echo("key figures: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+    if browser_check and find_chromium():
+        for r in results:
+            if r.status == "ok":
+                res = check_html_in_browser(r.html, screenshot=r.html.with_suffix(".png"))
+                typer.echo(f"browser check {r.html.name}: {res['rendered_plots']}/{res['plots']} plots rendered, "
+                           f"{len(res['js_errors'])} JS errors -> {res['screenshot']}")
+    typer.echo(f"open {reports_dir}/index.html")
+
+
+@app.command()
 def index(reports_dir: str = typer.Option("reports", "--reports-dir")) -> None:
     """Regenerate reports/index.html from the run manifests."""
     from workbench.reports import write_index

@@ -1,0 +1,73 @@
+"""The end-to-end pipeline on one target: notebooks 01 → 02 → 03 as one report run.
+
+`make demo` runs `workbench pipeline --profile quick` on the embedded default. Each stage's
+artifacts live under `$WORKBENCH_HOME/demo/<profile>/` so a rerun resumes (capture shards,
+training checkpoints) or skips a stage whose inputs are unchanged (the report runner's cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.reports import Stage
+from workbench.target import EMBEDDED_NAME, workbench_home
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much data and training a pipeline run buys (sized for 2 CPU cores)."""
+
+    name: str
+    n_samples: int  # training prompts answered by the target and captured
+    max_new_tokens: int  # regeneration length per assistant turn
+    max_length: int  # capture truncation
+    train_profile: str  # workbench.draft.train.PROFILES key
+    inspect_prompts: int  # MT-bench first turns for the offline inspection
+    inspect_new_tokens: int
+
+
+PROFILES = {
+    "quick": Profile("quick", n_samples=600, max_new_tokens=256, max_length=1024, train_profile="quick",
+                     inspect_prompts=16, inspect_new_tokens=96),
+    "full": Profile("full", n_samples=0, max_new_tokens=512, max_length=2048, train_profile="full",
+                    inspect_prompts=80, inspect_new_tokens=256),
+}
+
+
+def artifacts_dir(profile: str, target: str = EMBEDDED_NAME) -> Path:
+    """Where a profile's capture, draft and export live (stable across reruns)."""
+    name = "demo" if target == EMBEDDED_NAME else Path(target).name
+    return workbench_home() / name / profile
+
+
+def default_draft_dir(profile: str = "quick", target: str = EMBEDDED_NAME) -> Path:
+    """The draft training run that `make demo` leaves behind (benchmarks default to it)."""
+    return artifacts_dir(profile, target) / "draft"
+
+
+def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; expected one of {sorted(PROFILES)}")
+    p = PROFILES[profile]
+    home = artifacts_dir(profile, target)
+    out = [
+        Stage(NOTEBOOKS / "01_capture_hidden_states.ipynb", name="capture", outputs=("out_dir",), parameters={
+            "target": target, "prompt_set": "train", "n_samples": p.n_samples,
+            "max_new_tokens": p.max_new_tokens, "max_length": p.max_length,
+            "out_dir": str(home / "capture"),
+        }),
+        Stage(NOTEBOOKS / "02_train_draft.ipynb", name="train", outputs=("out_dir", "export_dir"), parameters={
+            "target": target, "capture_dir": "${capture.capture_dir}", "profile": p.train_profile,
+            "resume": True, "out_dir": str(home / "draft"), "export_dir": str(home / "export-sglang"),
+        }),
+    ]
+    nb03 = NOTEBOOKS / "03_inspect_draft.ipynb"
+    if nb03.is_file():
+        out.append(Stage(nb03, name="inspect", parameters={
+            "target": target, "draft": "${train.draft_dir}", "capture_dir": "${capture.capture_dir}",
+            "n_prompts": p.inspect_prompts, "max_new_tokens": p.inspect_new_tokens,
+        }))
+    return out
