@@ -1,0 +1,46 @@
+"""Local speculative decoding: EAGLE-3 chain + tree drafting, verify, rollback, trace."""
+
+from workbench.engine.spec import (
+    AUTO_PARAMS,
+    DraftTree,
+    Generation,
+    Measurement,
+    RequestStats,
+    SpecDecoder,
+    SpecError,
+    SpecParams,
+    accept_greedy,
+    accept_sampling,
+    check_draft,
+    choose_params,
+    commit_path,
+    pooled_tau,
+    resolve_params,
+    select_accepted_hidden,
+    speculative_generate,
+)
+from workbench.engine.trace import CycleRecord, TraceWriter, read_trace, trace_tau
+
+__all__ = [
+    "AUTO_PARAMS",
+    "CycleRecord",
+    "DraftTree",
+    "Generation",
+    "Measurement",
+    "RequestStats",
+    "SpecDecoder",
+    "SpecError",
+    "SpecParams",
+    "TraceWriter",
+    "accept_greedy",
+    "accept_sampling",
+    "check_draft",
+    "choose_params",
+    "commit_path",
+    "pooled_tau",
+    "read_trace",
+    "resolve_params",
+    "select_accepted_hidden",
+    "speculative_generate",
+    "trace_tau",
+]
