@@ -1,0 +1,113 @@
+"""Regeneration throughput: HF `generate` vs `workbench.generate.generate_batch`.
+
+Same chat-templated prompts, greedy, on the embedded target. Ends with one `RESULT` line.
+Usage: python benchmarks/bench_regen.py [--n-prompts 64] [--max-new-tokens 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+from workbench.generate import generate_batch_with_stats
+from workbench.llama import Llama
+from workbench.target import load_target
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis.",
+    "Give me three tips for better sleep.", "What is a prime number?",
+    "Summarize the plot of Romeo and Juliet.", "How do I boil an egg?",
+    "Write a short poem about autumn.", "What causes rain?", "Explain recursion to a child.",
+    "List five fruits that are red.", "Why is the sky blue?", "What is machine learning?",
+    "Write a limerick about a cat.", "How does a bicycle work?", "What is the speed of light?",
+    "Describe a sunset in two sentences.", "How can I learn Python quickly?",
+    "What is the difference between weather and climate?", "Tell me a fun fact about octopuses.",
+    "Write a thank-you note to a teacher.", "What are the planets of the solar system?",
+    "How do vaccines work?", "Suggest a name for a coffee shop.", "What is gravity?",
+    "Explain what a CPU does.", "Write a two-line story about a dragon.",
+    "What should I pack for a beach trip?", "How do bees make honey?",
+    "Translate 'good morning' into Spanish and French.", "What is the Pythagorean theorem?",
+    "Give me a recipe idea with rice and beans.",
+]  # fmt: skip
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    """n chat-templated prompts (the question list repeats with a suffix beyond its length)."""
+    out = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})")
+        msgs = [{"role": "user", "content": q}]
+        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
+        out.append(list(enc["input_ids"]))
+    return out
+
+
+def hf_generate(model, tok, prompts, max_new, eos, batch) -> tuple[int, float]:
+    """HF generate with left padding, greedy; returns (new tokens until eos, seconds)."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    n_tok, t0 = 0, time.perf_counter()
+    for s in range(0, len(prompts), batch):
+        group = prompts[s : s + batch]
+        T = max(map(len, group))
+        ids = torch.tensor([[pad] * (T - len(p)) + p for p in group])
+        att = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in group])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new,
+                                 do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+        for row in out[:, T:].tolist():
+            n_tok += row.index(eos) + 1 if eos in row else len(row)
+    return n_tok, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-prompts", type=int, default=64, help="64: batch 64 gets full rows")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.n_prompts, args.max_new_tokens = 8, 16
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    t = load_target("smollm2-135m", dtype="float32")
+    tok, eos = t.tokenizer, t.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompts = chat_prompts(tok, args.n_prompts)
+    n, m = len(prompts), args.max_new_tokens
+    print(f"{n} prompts, {sum(map(len, prompts))} prompt tokens, max_new_tokens {m}")
+
+    rows = []  # (name, tokens, seconds, tok/s)
+    hf16 = copy.deepcopy(t.model).to(torch.bfloat16)
+    hf_generate(hf16, tok, prompts[:2], 2, eos, 2)  # warm-up
+    ntok, sec = hf_generate(hf16, tok, prompts, m, eos, args.hf_batch)
+    rows.append((f"HF generate bf16 b{args.hf_batch}", ntok, sec))
+    del hf16
+    outs = {}
+    for dt, bs in (("bfloat16", 32), ("bfloat16", 64), ("float32", 32)):
+        llm = Llama(t.model, dt)
+        generate_batch_with_stats(llm, prompts[:2], 2, [eos], progress=False)  # warm-up
+        res, st = generate_batch_with_stats(llm, prompts, m, [eos], batch_size=bs, progress=False)
+        outs[(dt, bs)] = res
+        rows.append((f"generate_batch {dt} b{bs}", st.new_tokens, st.seconds))
+        print(f"  {dt} b{bs}: {st}", flush=True)
+    hf_tok_s = rows[0][1] / rows[0][2]
+    print(f"\n{'config':<28}{'tokens':>8}{'seconds':>9}{'tok/s':>9}{'vs HF':>8}")
+    for name, ntok, sec in rows:
+        print(f"{name:<28}{ntok:>8}{sec:>9.1f}{ntok / sec:>9.1f}{ntok / sec / hf_tok_s:>7.2f}x")
+    same = sum(a == b for a, b in zip(outs[("bfloat16", 32)], outs[("float32", 32)], strict=True))
+    print(f"bf16 vs fp32 greedy outputs identical for {same}/{n} prompts")
+    best = max(rows[1:3], key=lambda r: r[1] / r[2])
+    tok_s = best[1] / best[2]
+    bs = best[0].rsplit("b", 1)[1]
+    print(f"RESULT regen_tok_s={tok_s:.1f} hf_tok_s={hf_tok_s:.1f} speedup={tok_s / hf_tok_s:.2f} "
+          f"dtype=bfloat16 batch={bs}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""A compact Llama-family forward (gpt-fast style) with a preallocated static KV cache.
+
+Why: HF `generate` spends most of its time in per-step Python and cache bookkeeping; on a
+2-core CPU a batched decode wants one plain forward per step with no cache copies. The same
+forward is meant to serve a speculative decoding engine, hence the cache API:
+
+- `KVCache.lengths[b]` is the number of filled slots of row b; a forward writes its k new
+  tokens at slots `lengths[b] .. lengths[b]+k-1`, so rows may be ragged (right-padded input
+  with `n_valid`) or left-padded (`start[b]` = first valid slot).
+- rolling back is only lowering `lengths` (`cache.rollback(n)`); stale slots get overwritten.
+- `tree_mask` ([k, k] or [B, k, k], bool) replaces the causal mask among the new tokens;
+  they always see the cached prefix. `positions` overrides RoPE positions (tree depths).
+- `hidden_layers` returns the residual stream after 0-based decoder layer i (-1: embedding
+  output), the EAGLE-3 aux features; `final_hidden` is the pre-norm last hidden state.
+
+Weights come from a loaded HF Llama model (fused qkv and gate/up copies in a chosen dtype).
+RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
+match HF exactly; length-dependent types (dynamic, longrope) are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """Static cache `[layers, batch, kv_heads, max_len, head_dim]` plus per-row lengths."""
+
+    k: Tensor
+    v: Tensor
+    lengths: Tensor  # [B] int64, filled slots per row
+    start: Tensor  # [B] int64, first valid slot per row (left padding), usually 0
+
+    @classmethod
+    def allocate(cls, n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device="cpu"):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        z = torch.zeros(batch, dtype=torch.long, device=device)
+        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        return cls(k, v, z, z.clone())
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def rollback(self, n: int | Tensor) -> None:
+        """Forget the last n tokens of every row (n may be a per-row tensor)."""
+        self.lengths = torch.maximum(self.lengths - n, self.start)
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        self.start.zero_()
+
+    def select(self, rows: Tensor) -> KVCache:
+        """A cache holding only `rows` (copies the filled part only; used to drop rows)."""
+        s = int(self.lengths.max()) if self.lengths.numel() else 0
+        out = KVCache.allocate(self.k.shape[0], len(rows), self.k.shape[2], self.max_len,
+                               self.k.shape[4], self.k.dtype, self.k.device)  # fmt: skip
+        out.k[:, :, :, :s] = self.k[:, rows, :, :s]
+        out.v[:, :, :, :s] = self.v[:, rows, :, :s]
+        out.lengths, out.start = self.lengths[rows].clone(), self.start[rows].clone()
+        return out
+
+
+@dataclass
+class LayerWeights:
+    wqkv: Tensor  # [(H + 2 Hkv) * D, dim]
+    bqkv: Tensor | None
+    wo: Tensor
+    w13: Tensor  # [2 * inter, dim]: gate then up
+    w2: Tensor
+    ln1: Tensor
+    ln2: Tensor
+
+
+@dataclass
+class Output:
+    logits: Tensor | None  # [B, k, V] ("all"), [B, V] ("last") or None
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer id -> [B, k, dim]
+    final_hidden: Tensor | None = None  # [B, k, dim], before the final norm
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF LlamaRMSNorm: normalize in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, k, H, D]; cos/sin [B, k, 1, D] (HF rotate_half convention)."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+class Llama:
+    """Llama-family decoder running on weights taken from an HF model."""
+
+    def __init__(self, hf_model, dtype: torch.dtype | str | None = None):
+        cfg = hf_model.config
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.dtype = dtype = dtype or next(hf_model.parameters()).dtype
+        self.config = cfg
+        self.n_layers, self.dim = cfg.num_hidden_layers, cfg.hidden_size
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.dim // self.n_heads
+        self.eps = cfg.rms_norm_eps
+        m = hf_model.model
+        rope = m.rotary_emb
+        if getattr(rope, "rope_type", "default") in ("dynamic", "longrope"):
+            raise NotImplementedError(f"rope_type {rope.rope_type!r} depends on sequence length")
+        self.inv_freq = rope.original_inv_freq.detach().float().cpu()
+        self.rope_scale = float(rope.attention_scaling)
+        dev = m.embed_tokens.weight.device
+
+        def cv(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.detach().to(device=dev, dtype=dtype)
+
+        def cat(*ts: Tensor) -> Tensor:
+            return torch.cat([t.detach() for t in ts]).to(dtype).contiguous()
+
+        self.layers = []
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            if mlp.down_proj.bias is not None or a.o_proj.bias is not None:
+                raise NotImplementedError("o_proj/MLP biases are not supported")
+            b = a.q_proj.bias
+            self.layers.append(LayerWeights(
+                wqkv=cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                bqkv=None if b is None else cat(b, a.k_proj.bias, a.v_proj.bias),
+                wo=cv(a.o_proj.weight), w13=cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                w2=cv(mlp.down_proj.weight), ln1=cv(layer.input_layernorm.weight),
+                ln2=cv(layer.post_attention_layernorm.weight)))  # fmt: skip
+        self.embed = cv(m.embed_tokens.weight)
+        self.norm = cv(m.norm.weight)
+        lm = hf_model.get_output_embeddings().weight
+        self.lm_head = self.embed if lm is m.embed_tokens.weight else cv(lm)
+        self.device = dev
+        self._cos = self._sin = torch.empty(0)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.allocate(self.n_layers, batch, self.n_kv, max_len, self.head_dim,
+                                self.dtype, self.device)  # fmt: skip
+
+    def _rope_tables(self, n: int) -> tuple[Tensor, Tensor]:
+        """cos/sin for positions [0, n), computed in fp32 like HF, cast to the model dtype."""
+        if self._cos.shape[0] < n:
+            n = max(n, 2 * self._cos.shape[0], 256)
+            freqs = torch.arange(n, dtype=torch.float)[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos = (emb.cos() * self.rope_scale).to(self.device, self.dtype)
+            self._sin = (emb.sin() * self.rope_scale).to(self.device, self.dtype)
+        return self._cos, self._sin
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: Tensor,
+        cache: KVCache | None = None,
+        *,
+        n_valid: Tensor | None = None,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        hidden_layers: Sequence[int] = (),
+        logits: str = "all",
+        advance: bool = True,
+    ) -> Output:
+        """Run k new tokens per row [B, k] through the model, writing them into `cache`.
+
+        n_valid [B]: real tokens per row (right padding; default k); `lengths` advances by it.
+        positions [B, k]: RoPE positions (default: slot - start). logits: "all", "last"
+        (at token n_valid-1 of each row) or "none". advance=False leaves `lengths` as is
+        (the tokens are still written; a verifier then sets lengths to what it accepts).
+        """
+        B, k = tokens.shape
+        if cache is None:
+            cache = self.new_cache(B, k)
+        dev = tokens.device
+        ar = torch.arange(k, device=dev)
+        slots = cache.lengths[:, None] + ar  # [B, k]
+        if positions is None:
+            positions = (slots - cache.start[:, None]).clamp(min=0)
+        S = int(slots[:, -1].max()) + 1  # attend over slots [0, S)
+        cos, sin = self._rope_tables(int(positions.max()) + 1)
+        cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
+
+        # mask [B, 1, G*k, S]: cached prefix [start, length) + new tokens by causal/tree mask
+        s = torch.arange(S, device=dev)
+        rel = s[None, :] - cache.lengths[:, None]  # [B, S]; new token j sits at rel == j
+        prefix = (s[None, :] >= cache.start[:, None]) & (rel < 0)
+        if tree_mask is None:
+            new = (rel[:, None, :] >= 0) & (rel[:, None, :] <= ar[None, :, None])
+        else:
+            tm = tree_mask.to(device=dev, dtype=torch.bool).expand(B, k, k)
+            idx = rel.clamp(0, k - 1)[:, None, :].expand(B, k, S)
+            new = ((rel >= 0) & (rel < k))[:, None, :] & torch.gather(tm, 2, idx)
+        # left padding (slots < start) is hidden; each token always sees itself, so no row
+        # of the softmax is empty (NaN would poison the cache through 0 * NaN)
+        mask = ((prefix[:, None, :] | new) & (s >= cache.start[:, None])[:, None, :]) | (
+            rel[:, None, :] == ar[None, :, None]
+        )
+        G = self.n_heads // self.n_kv
+        mask = mask[:, None, None].expand(B, 1, G, k, S)
+        mask = mask.reshape(B, 1, G * k, S)
+
+        bidx = torch.arange(B, device=dev)[:, None].expand(B, k)
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        h = F.embedding(tokens, self.embed)
+        hidden = {-1: h} if -1 in hidden_layers else {}
+        for i, L in enumerate(self.layers):
+            x = rms_norm(h, L.ln1, self.eps)
+            qkv = F.linear(x, L.wqkv, L.bqkv)
+            q, kk, vv = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+            q = apply_rope(q.view(B, k, H, D), cos, sin)
+            kk = apply_rope(kk.view(B, k, Hkv, D), cos, sin)
+            cache.k[i][bidx, :, slots] = kk  # [B, k, Hkv, D] into [B, Hkv, T, D]
+            cache.v[i][bidx, :, slots] = vv.view(B, k, Hkv, D)
+            # GQA without repeating K/V: fold the G query heads of a kv head into the rows
+            q = q.view(B, k, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * k, D)
+            o = F.scaled_dot_product_attention(
+                q, cache.k[i, :, :, :S], cache.v[i, :, :, :S], attn_mask=mask
+            )
+            o = o.view(B, Hkv, G, k, D).permute(0, 3, 1, 2, 4).reshape(B, k, H * D)
+            h = h + F.linear(o, L.wo)
+            x = rms_norm(h, L.ln2, self.eps)
+            gate, up = F.linear(x, L.w13).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, L.w2)
+            if i in hidden_layers:
+                hidden[i] = h
+        if advance:
+            cache.lengths = cache.lengths + (k if n_valid is None else n_valid)
+        out = Output(None, {i: hidden[i] for i in hidden_layers}, h)
+        if logits == "last":
+            last = (k - 1) if n_valid is None else (n_valid - 1).clamp(min=0)
+            x = h[torch.arange(B, device=dev), last] if n_valid is not None else h[:, last]
+            out.logits = F.linear(rms_norm(x, self.norm, self.eps), self.lm_head)
+        elif logits == "all":
+            out.logits = F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+        return out
+
+    __call__ = forward
