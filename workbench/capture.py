@@ -228,9 +228,8 @@ def capture(target, conversations: list, out_dir: str | os.PathLike, cfg: Captur
 
     `conversations` are message lists ending with assistant turns (see data.Prompt.messages).
     """
-    from tqdm.auto import tqdm
-
     from workbench.data import encode_conversation
+    from workbench.progress import progress as tqdm
     from workbench.target import tokenizer_hash
 
     out = Path(out_dir)

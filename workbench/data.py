@@ -290,9 +290,9 @@ class RegenConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 32
+    batch_size: int = 64
     dtype: str = "bfloat16"
-    chunk_size: int = 64  # prompts per resumable chunk file
+    chunk_size: int = 128  # prompts per resumable chunk file
     max_prompt_tokens: int = 1536
 
 
@@ -304,9 +304,8 @@ def regenerate(target, prompts: list[Prompt], out_dir: str | os.PathLike, cfg: R
     (arguments, counts, tokens/s). A rerun with the same arguments skips finished chunks;
     different arguments into the same directory are refused.
     """
-    from tqdm.auto import tqdm
-
     from workbench.generate import generate_batch
+    from workbench.progress import progress as tqdm
 
     cfg = cfg or RegenConfig()
     out = Path(out_dir)

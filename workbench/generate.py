@@ -150,7 +150,7 @@ def generate_batch_with_stats(
     nxt_prompt = 0
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from workbench.progress import progress as tqdm
 
         bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="generate",
                    dynamic_ncols=True, smoothing=0.1)  # fmt: skip

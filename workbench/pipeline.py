@@ -30,7 +30,7 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", n_samples=600, max_new_tokens=256, max_length=1024, train_profile="quick",
+    "quick": Profile("quick", n_samples=400, max_new_tokens=192, max_length=1024, train_profile="quick",
                      inspect_prompts=16, inspect_new_tokens=96),
     "full": Profile("full", n_samples=0, max_new_tokens=512, max_length=2048, train_profile="full",
                     inspect_prompts=80, inspect_new_tokens=256),

@@ -282,7 +282,7 @@ def target_argmax(
         blob = torch.load(cache, weights_only=False)
         if blob.get("key") == key:
             return blob["argmax"]
-    from tqdm.auto import tqdm
+    from workbench.progress import progress as tqdm
 
     out = {}
     for i in tqdm(indices, desc="target argmax", disable=not progress, leave=False):
@@ -598,7 +598,7 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
 
 
 def _train(cfg: TrainConfig, target, reader, device: torch.device, d: Dist) -> dict[str, Any]:
-    from tqdm.auto import tqdm
+    from workbench.progress import progress as tqdm
 
     out = Path(cfg.out)
     if d.main:
