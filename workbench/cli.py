@@ -283,5 +283,31 @@ def import_draft_cmd(
         raise typer.Exit(1)
 
 
+@app.command()
+def audit(
+    draft: str = typer.Option(..., "--draft", help="draft export dir (or training run dir)"),
+    capture: str = typer.Option("", "--capture", help="capture directory the draft was trained on"),
+    serving: str = typer.Option("", "--serving", help='serving command line, e.g. "python -m sglang.launch_server ..."'),
+    target: str = typer.Option("", "--target", help="target (HF dir, .gguf, 'smollm2-135m') to check against"),
+) -> None:
+    """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags).
+
+    Prints every disagreement; exits 1 when any is an error."""
+    from workbench.draft.export import DraftImportError
+    from workbench.draft.train import TrainError
+    from workbench.inspect import config_audit, format_findings, has_errors
+    from workbench.layers import LayerConventionError
+    from workbench.target import TargetError, load_target
+
+    try:
+        tgt = load_target(target) if target else None
+        findings = config_audit(draft, capture or None, serving or None, target=tgt)
+    except (DraftImportError, TrainError, LayerConventionError, TargetError, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(format_findings(findings))
+    if has_errors(findings):
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()

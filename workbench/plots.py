@@ -224,3 +224,97 @@ def vocab_coverage(curve: dict[int, float], chosen: int | None = None):
         height=380,
     )
     return fig
+
+
+# ---------------------------------------------------------------- 03 inspect draft
+
+
+def acceptance_bars(result):
+    """Per-position acceptance a_i (conditional on earlier positions accepted) with the measured
+    pooled τ and the τ simulated from the a_i in the title."""
+    import plotly.graph_objects as go
+
+    a = result.accept_pos
+    reached, _ = result.accept_counts
+    fig = go.Figure(
+        go.Bar(x=[f"pos {i}" for i in range(len(a))], y=a, text=[f"{v:.2f}" for v in a],
+               textposition="outside", customdata=reached,
+               hovertemplate="%{x}: %{y:.3f} (%{customdata} cycles reached it)<extra></extra>")
+    )  # fmt: skip
+    fig.update_layout(
+        title=f"Per-position acceptance ({result.params}): pooled tau {result.tau:.2f}, "
+        f"simulated tau {result.sim_tau:.2f}, mean of per-request tau {result.mean_request_tau:.2f}",
+        xaxis_title="draft position i",
+        yaxis_title="P(token i accepted | tokens < i accepted)",
+        yaxis_range=[0, 1.1],
+        template="plotly_white",
+        height=400,
+    )
+    return fig
+
+
+def category_bars(rows: list[dict]):
+    """Pooled tau per prompt category (MT-bench has 8); bar text gives the request count."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(
+        go.Bar(x=[r["category"] for r in rows], y=[r["tau"] for r in rows],
+               text=[f"{r['tau']:.2f} (n={r['requests']})" for r in rows], textposition="outside")
+    )  # fmt: skip
+    fig.update_layout(
+        title="Pooled accept length tau by prompt category",
+        yaxis_title="tokens per verify forward (bonus included)",
+        template="plotly_white",
+        height=400,
+    )
+    return fig
+
+
+def wiring_bars(audit):
+    """Tau per aux-layer wiring with bootstrap CIs; the configured wiring is highlighted."""
+    import plotly.graph_objects as go
+
+    rows = audit.rows
+    colors = ["#1f77b4" if i == 0 else ("#d62728" if r.beats_configured else "#aaaaaa")
+              for i, r in enumerate(rows)]  # fmt: skip
+    fig = go.Figure(
+        go.Bar(
+            x=[f"{r.name}<br>{r.layer_ids}" for r in rows],
+            y=[r.tau for r in rows],
+            marker_color=colors,
+            error_y=dict(type="data", symmetric=False, array=[r.hi - r.tau for r in rows],
+                         arrayminus=[r.tau - r.lo for r in rows]),
+            text=[f"{r.tau:.3f}" for r in rows],
+            textposition="inside",
+        )
+    )  # fmt: skip
+    fig.update_layout(
+        title=f"Layer-wiring audit: {audit.verdict} (bars: pooled tau, whiskers: {audit.ci:.0%} "
+        "bootstrap CI over prompts)",
+        yaxis_title="pooled tau",
+        template="plotly_white",
+        height=420,
+    )
+    return fig
+
+
+def cycle_time_breakdown(breakdown: dict):
+    """Mean ms per decode cycle, split into draft steps, draft extend, target verify, other."""
+    import plotly.graph_objects as go
+
+    parts = [("draft steps", "draft_ms"), ("draft extend", "extend_ms"), ("verify (target)", "verify_ms"),
+             ("other", "other_ms")]  # fmt: skip
+    fig = go.Figure()
+    for name, key in parts:
+        v = breakdown.get(key, 0.0)
+        fig.add_trace(go.Bar(x=["per cycle"], y=[v], name=name, text=[f"{v:.1f} ms"],
+                             textposition="inside"))  # fmt: skip
+    share = breakdown.get("share", {}).get("verify", 0.0)
+    fig.update_layout(
+        barmode="stack",
+        title=f"Time per decode cycle ({breakdown.get('cycles', 0)} cycles; verify {share:.0%})",
+        yaxis_title="ms",
+        template="plotly_white",
+        height=420,
+    )
+    return fig
