@@ -18,31 +18,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from workbench.engine import Measurement, SpecDecoder, SpecParams, choose_params, resolve_params
+from workbench.engine import choose_params
+from workbench.engine.speed import (
+    DEFAULT_CONFIGS,
+    parse_configs,
+    speed_table,
+)
 from workbench.llama import Llama
-
-# The draft the README's main command (`make demo` / `workbench pipeline`) trains. Change here.
-DEFAULT_DRAFT = "{WORKBENCH_HOME}/runs/demo/draft"
-DEFAULT_CONFIGS = "1/1/2,2/1/3,3/1/4,3/2/6,5/4/8"
 
 
 def default_draft_path() -> Path:
-    from workbench.target import workbench_home
+    """The draft the README's main command (`make demo` = `workbench pipeline`) trains."""
+    from workbench.pipeline import default_draft_dir
 
-    return Path(DEFAULT_DRAFT.format(WORKBENCH_HOME=workbench_home()))
-
-
-def parse_configs(spec: str) -> list[SpecParams]:
-    out = []
-    for item in spec.split(","):
-        s, k, n = (int(x) for x in item.strip().split("/"))
-        out.append(resolve_params(s, k, n))
-    return out
+    return default_draft_dir("quick")
 
 
 def load_draft_for(target, path: str | None, random_draft: bool, dtype: torch.dtype):
@@ -68,63 +61,10 @@ def load_draft_for(target, path: str | None, random_draft: bool, dtype: torch.dt
     return load_draft(p, target.model).to(dtype).eval(), str(p)
 
 
-def hf_generate(model, ids: list[int], max_new: int, eos: list[int], pad: int) -> list[int]:
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
-    return out[0, len(ids) :].tolist()
-
-
-def run_all(methods: dict, prompts: list[list[int]], max_new: int, eos: list[int]) -> dict:
-    """Interleaved: for each prompt, every method once, order rotated per prompt."""
-    res = {name: {"tokens": 0, "seconds": 0.0, "verify": 0, "outs": []} for name in methods}
-    names = list(methods)
-    for i, p in enumerate(prompts):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            t0 = time.perf_counter()
-            toks, verify = methods[name](p)
-            dt = time.perf_counter() - t0
-            r = res[name]
-            r["tokens"] += len(toks)
-            r["seconds"] += dt
-            r["verify"] += verify
-            r["outs"].append(toks)
-    return res
-
-
-def build_methods(target, llm, draft, configs, max_new, eos, with_hf: bool) -> dict:
-    pad = target.tokenizer.pad_token_id or 0
-    methods: dict = {}
-    if with_hf:
-        methods["hf"] = lambda p: (hf_generate(target.model, p, max_new, eos, pad), 0)
-    plain = SpecDecoder(llm, None)
-
-    def run(dec):
-        def f(p):
-            g = dec.generate(p, max_new, eos)
-            return g.tokens, g.stats.verify_forwards
-
-        return f
-
-    methods["plain"] = run(plain)
-    for c in configs:
-        methods[str(c)] = run(SpecDecoder(llm, draft, c))
-    return methods
-
-
-def measurement(name: str, r: dict) -> Measurement:
-    # decode tokens exclude the prefill token; tau = decode tokens / verify forwards
-    dec_tok = r["tokens"] - len(r["outs"])
-    tau = dec_tok / r["verify"] if r["verify"] else 1.0
-    params = None if name in ("plain", "hf") else SpecParams(*map(int, name.split("/")))
-    return Measurement(params, r["tokens"], r["seconds"], tau)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--draft", default=None, help=f"trained draft (default {DEFAULT_DRAFT})")
+    ap.add_argument("--draft", default=None, help="trained draft (default: the one `make demo` trained)")
     ap.add_argument("--random-draft", action="store_true", help="untrained draft (overheads)")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--n-prompts", type=int, default=4)
@@ -152,32 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {target.name} {args.dtype}, draft {draft_name}, {len(prompts)} MT-bench "
           f"prompts, {args.max_new_tokens} new tokens, threads {torch.get_num_threads()}")  # fmt: skip
 
-    warm = build_methods(target, llm, draft, configs, 8, eos, with_hf=True)
-    run_all(warm, prompts[:1], 8, eos)  # warm-up (first-call allocations, kernels)
-
     note = ""
     if args.auto:
         calib = [prompt_ids(target.tokenizer, q.messages(1)) for q in mt[-args.calib_prompts :]]
-        methods = build_methods(target, llm, draft, configs, args.max_new_tokens, eos, False)
-        res = run_all(methods, calib, args.max_new_tokens, eos)
-        chosen, note = choose_params([measurement(n, r) for n, r in res.items()])
+        _, extra = speed_table(target, llm, draft, calib, configs, args.max_new_tokens, eos, with_hf=False)
+        chosen, note = choose_params(list(extra["measurements"].values()))
         print(f"auto (on {len(calib)} calibration prompts): {note}")
         configs = [chosen] if chosen else []
 
-    methods = build_methods(target, llm, draft, configs, args.max_new_tokens, eos, True)
-    res = run_all(methods, prompts, args.max_new_tokens, eos)
-    meas = {n: measurement(n, r) for n, r in res.items()}
+    rows, extra = speed_table(target, llm, draft, prompts, configs, args.max_new_tokens, eos, with_hf=True)
+    meas = extra["measurements"]
     hf, plain = meas["hf"].tok_s, meas["plain"].tok_s
-    plain_outs = res["plain"]["outs"]
-
-    print(f"\n{'method':<10}{'config':>9}{'tok/s':>9}{'tau':>7}{'vs hf':>8}{'vs plain':>10}"
-          f"{'same as plain':>15}")  # fmt: skip
-    for name, m in meas.items():
-        kind = {"hf": "HF generate", "plain": "engine"}.get(name, "EAGLE-3")
-        cfg = "-" if name in ("hf", "plain") else name
-        same = sum(a == b for a, b in zip(res[name]["outs"], plain_outs, strict=True))
-        print(f"{kind:<12}{cfg:>7}{m.tok_s:9.2f}{m.tau:7.2f}{m.tok_s / hf:8.2f}"
-              f"{m.tok_s / plain:10.2f}{f'{same}/{len(plain_outs)}':>15}")  # fmt: skip
+    print(f"\n{'method':<26}{'config':>7}{'tok/s':>9}{'tau':>7}{'vs hf':>8}{'vs plain':>10}{'same as plain':>15}")
+    for r in rows:
+        print(f"{r['method']:<26}{r['config']:>7}{r['tok_s']:9.2f}{r['tau']:7.2f}{r['vs_hf']:8.2f}"
+              f"{r['vs_plain']:10.2f}{r['same_as_plain']:>15}")  # fmt: skip
     spec = [m for m in meas.values() if m.params is not None]
     slower = [str(m.params) for m in spec if m.tok_s < plain]
     if slower:
