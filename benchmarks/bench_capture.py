@@ -22,15 +22,19 @@ from workbench.target import load_target
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--n", type=int, default=48, help="conversations (MT-bench first turns + a filler answer)")
+    ap.add_argument(
+        "--n", type=int, default=48, help="conversations (MT-bench first turns + a filler answer)"
+    )
     ap.add_argument("--dtype", default="float32", help="target compute dtype")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     args = ap.parse_args()
 
     t = load_target(args.target, dtype=args.dtype)
     answer = "Here is a careful answer. " * 12
-    convs = [[{"role": "user", "content": p.turns[0]}, {"role": "assistant", "content": answer}]
-             for p in load_mtbench()[: args.n]]
+    convs = [
+        [{"role": "user", "content": p.turns[0]}, {"role": "assistant", "content": answer}]
+        for p in load_mtbench()[: args.n]
+    ]
     enc = [encode_conversation(t.tokenizer, c, 1024) for c in convs]
     tokens = sum(len(e[0]) for e in enc)
     batches = _pack_batches([len(e[0]) for e in enc], args.batch_tokens)
@@ -51,8 +55,17 @@ def main() -> None:
     def cap() -> float:
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
-            capture(t, convs, d, CaptureConfig(default_layer_ids(t.num_layers), batch_tokens=args.batch_tokens,
-                                               samples_per_shard=len(convs)), progress=False)
+            capture(
+                t,
+                convs,
+                d,
+                CaptureConfig(
+                    default_layer_ids(t.num_layers),
+                    batch_tokens=args.batch_tokens,
+                    samples_per_shard=len(convs),
+                ),
+                progress=False,
+            )
             return time.perf_counter() - t0
 
     plain()  # warm-up
@@ -61,9 +74,13 @@ def main() -> None:
     print(f"{'mode':<10}{'seconds':>10}{'tok/s':>10}")
     print(f"{'plain':<10}{tp:>10.2f}{tokens / tp:>10.0f}")
     print(f"{'capture':<10}{tc:>10.2f}{tokens / tc:>10.0f}")
-    print(f"tokens={tokens} conversations={len(convs)} dtype={args.dtype} threads={torch.get_num_threads()}")
-    print(f"RESULT capture_tok_s={tokens / tc:.0f} plain_tok_s={tokens / tp:.0f} "
-          f"capture_over_plain={tc / tp:.2f} dtype={args.dtype}")
+    print(
+        f"tokens={tokens} conversations={len(convs)} dtype={args.dtype} threads={torch.get_num_threads()}"
+    )
+    print(
+        f"RESULT capture_tok_s={tokens / tc:.0f} plain_tok_s={tokens / tp:.0f} "
+        f"capture_over_plain={tc / tp:.2f} dtype={args.dtype}"
+    )
 
 
 if __name__ == "__main__":

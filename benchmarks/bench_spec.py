@@ -64,7 +64,9 @@ def load_draft_for(target, path: str | None, random_draft: bool, dtype: torch.dt
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--draft", default=None, help="trained draft (default: the one `make demo` trained)")
+    ap.add_argument(
+        "--draft", default=None, help="trained draft (default: the one `make demo` trained)"
+    )
     ap.add_argument("--random-draft", action="store_true", help="untrained draft (overheads)")
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--n-prompts", type=int, default=4)
@@ -95,15 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     note = ""
     if args.auto:
         calib = [prompt_ids(target.tokenizer, q.messages(1)) for q in mt[-args.calib_prompts :]]
-        _, extra = speed_table(target, llm, draft, calib, configs, args.max_new_tokens, eos, with_hf=False)
+        _, extra = speed_table(
+            target, llm, draft, calib, configs, args.max_new_tokens, eos, with_hf=False
+        )
         chosen, note = choose_params(list(extra["measurements"].values()))
         print(f"auto (on {len(calib)} calibration prompts): {note}")
         configs = [chosen] if chosen else []
 
-    rows, extra = speed_table(target, llm, draft, prompts, configs, args.max_new_tokens, eos, with_hf=True)
+    rows, extra = speed_table(
+        target, llm, draft, prompts, configs, args.max_new_tokens, eos, with_hf=True
+    )
     meas = extra["measurements"]
     hf, plain = meas["hf"].tok_s, meas["plain"].tok_s
-    print(f"\n{'method':<26}{'config':>7}{'tok/s':>9}{'tau':>7}{'vs hf':>8}{'vs plain':>10}{'same as plain':>15}")
+    print(
+        f"\n{'method':<26}{'config':>7}{'tok/s':>9}{'tau':>7}{'vs hf':>8}{'vs plain':>10}{'same as plain':>15}"
+    )
     for r in rows:
         print(f"{r['method']:<26}{r['config']:>7}{r['tok_s']:9.2f}{r['tau']:7.2f}{r['vs_hf']:8.2f}"
               f"{r['vs_plain']:10.2f}{r['same_as_plain']:>15}")  # fmt: skip

@@ -37,10 +37,12 @@ def test_train_prompts_are_many_diverse_and_disjoint_from_evals():
     for p in train:
         for t in p.turns:
             assert _norm(t) not in evals, f"training prompt {p.id} is an eval prompt"
+
     # no long verbatim overlap with MT-bench first turns either (12-word shingles)
     def shingles(text, k=12):
         w = _norm(text).split()
-        return {" ".join(w[i:i + k]) for i in range(max(len(w) - k + 1, 0))}
+        return {" ".join(w[i : i + k]) for i in range(max(len(w) - k + 1, 0))}
+
     eval_sh = set().union(*(shingles(p.turns[0]) for p in load_mtbench()))
     assert not any(shingles(p.turns[0]) & eval_sh for p in train)
 
@@ -56,10 +58,20 @@ def test_eval_sets_from_packages():
 def test_import_sharegpt_and_openai_with_bad_lines(tmp_path):
     f = tmp_path / "user.jsonl"
     lines = [
-        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+        json.dumps(
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+        ),
         "{not json",
-        json.dumps({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
-                                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}]}),
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "q2"},
+                ]
+            }
+        ),
         json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
         "",
         json.dumps({"conversations": [{"from": "gpt", "value": "answer first"}]}),
@@ -74,7 +86,11 @@ def test_import_sharegpt_and_openai_with_bad_lines(tmp_path):
     assert "alternate" in bad[6] and "none of 'messages'" in bad[7]
     assert "line 2:" in report.summary()
     assert prompts[0].turns == ["hi"] and prompts[0].answers == ["hello"] and prompts[0].complete
-    assert prompts[1].system == "be brief" and prompts[1].turns == ["q", "q2"] and not prompts[1].complete
+    assert (
+        prompts[1].system == "be brief"
+        and prompts[1].turns == ["q", "q2"]
+        and not prompts[1].complete
+    )
     assert load_prompt_set(f)[1].messages()[0] == {"role": "system", "content": "be brief"}
     with pytest.raises(DataError, match="no such file"):
         import_jsonl(tmp_path / "missing.jsonl")
@@ -82,8 +98,12 @@ def test_import_sharegpt_and_openai_with_bad_lines(tmp_path):
 
 def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_target):
     tok = tiny_target.tokenizer
-    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, of course."}]
+    msgs = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Green, of course."},
+    ]
     ids, mask = encode_conversation(tok, msgs)
     assert len(ids) == len(mask)
     text = tok.apply_chat_template(msgs, tokenize=False)
@@ -95,7 +115,9 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(tiny_target):
 
 
 def test_regenerate_is_resumable_and_refuses_other_arguments(tiny_target, tmp_path, monkeypatch):
-    prompts = [Prompt(f"p{i}", "test", [f"Say {i}."] + (["And again?"] if i % 2 else [])) for i in range(5)]
+    prompts = [
+        Prompt(f"p{i}", "test", [f"Say {i}."] + (["And again?"] if i % 2 else [])) for i in range(5)
+    ]
     cfg = RegenConfig(max_new_tokens=6, chunk_size=2, batch_size=4, dtype="float32")
     ref = tmp_path / "ref"
     info = regenerate(tiny_target, prompts, ref, cfg, progress=False)
@@ -129,5 +151,10 @@ def test_regenerate_is_resumable_and_refuses_other_arguments(tiny_target, tmp_pa
         assert a.read_text() == b.read_text()
 
     with pytest.raises(DataError, match=r"different arguments:\n  max_new_tokens: was 6, now 7"):
-        regenerate(tiny_target, prompts, out, RegenConfig(max_new_tokens=7, chunk_size=2, batch_size=4,
-                                                          dtype="float32"), progress=False)
+        regenerate(
+            tiny_target,
+            prompts,
+            out,
+            RegenConfig(max_new_tokens=7, chunk_size=2, batch_size=4, dtype="float32"),
+            progress=False,
+        )

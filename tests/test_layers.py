@@ -17,8 +17,16 @@ from workbench.layers import (
 
 # The table in design.md, plus a DeepSeek-V3/Kimi-sized target (61 layers).
 TABLE = {
-    30: {OUTPUT_OF_LAYER: [1, 14, 26], HF_HIDDEN_STATES_INDEX: [2, 15, 27], INPUT_OF_LAYER: [2, 15, 27]},
-    61: {OUTPUT_OF_LAYER: [1, 29, 57], HF_HIDDEN_STATES_INDEX: [2, 30, 58], INPUT_OF_LAYER: [2, 30, 58]},
+    30: {
+        OUTPUT_OF_LAYER: [1, 14, 26],
+        HF_HIDDEN_STATES_INDEX: [2, 15, 27],
+        INPUT_OF_LAYER: [2, 15, 27],
+    },
+    61: {
+        OUTPUT_OF_LAYER: [1, 29, 57],
+        HF_HIDDEN_STATES_INDEX: [2, 30, 58],
+        INPUT_OF_LAYER: [2, 30, 58],
+    },
 }
 
 

@@ -49,12 +49,22 @@ def test_notebook_03_inspects_audits_and_records(
     titles = [
         o["data"][PLOTLY]["layout"]["title"]["text"] for o in outs if PLOTLY in o.get("data", {})
     ]
-    assert len(titles) == 4, titles
+    assert len(titles) == 5, titles
     assert "Per-position acceptance" in titles[0] and "category" in titles[1]
     assert "Time per decode cycle" in titles[2] and "Layer-wiring audit" in titles[3]
+    assert "Decode speed" in titles[4]
     assert any("background:#" in "".join(o.get("data", {}).get("text/html", "")) for o in outs)
     rec = json.loads((tmp_path / "figures.json").read_text())["03"]
-    assert {"tau", "sim_tau", "accept_pos0", "audit_verdict", "best_wiring"} <= set(rec)
+    assert {
+        "tau",
+        "sim_tau",
+        "accept_pos0",
+        "audit_verdict",
+        "best_wiring",
+        "speedup",
+        "best_config",
+    } <= set(rec)
+    assert rec["speedup"] >= 1.0  # the chosen setting never reports slower than plain decoding
     assert rec["tau"] >= 1.0 and rec["audit_verdict"] in (
         "configured wins",
         "shifted wiring wins",

@@ -83,10 +83,14 @@ def test_embedded_default_second_load_is_fast(embedded_dir):
     """The first load converted the GGUF (fixture); a fresh process reloads the fp32 copy quickly."""
     weights = embedded_dir / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    code = ("import time; t0=time.perf_counter(); from workbench.target import load_target; "
-            "t=load_target('smollm2-135m'); print(t.load_seconds, t.num_layers, t.hidden_size, t.vocab_size, t.fingerprint)")
+    code = (
+        "import time; t0=time.perf_counter(); from workbench.target import load_target; "
+        "t=load_target('smollm2-135m'); print(t.load_seconds, t.num_layers, t.hidden_size, t.vocab_size, t.fingerprint)"
+    )
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, check=True
+    )
     wall = time.perf_counter() - t0
     load_s, n, h, v, fp = out.stdout.split()
     assert (int(n), int(h), int(v)) == (30, 576, 49152)

@@ -50,8 +50,13 @@ class CaptureConfig:
 
 def git_sha() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -62,8 +67,12 @@ def versions() -> dict:
 
     import workbench
 
-    return {"workbench": workbench.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version()}
+    return {
+        "workbench": workbench.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -118,7 +127,9 @@ class AuxRecorder:
 
 
 @torch.no_grad()
-def forward_aux(target, batch_ids: list[list[int]], recorder: AuxRecorder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def forward_aux(
+    target, batch_ids: list[list[int]], recorder: AuxRecorder
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run the base model (no lm_head) over a right-padded batch; per-sample (aux, last)."""
     dev = target.device
     T = max(len(x) for x in batch_ids)
@@ -140,9 +151,14 @@ def _norm_stats(x: torch.Tensor) -> dict:
     """Mergeable per-token L2-norm statistics of x [T, H] (fp32 sums + histogram)."""
     n = x.float().norm(dim=-1)
     hist = torch.histogram(n.clamp(_HIST_EDGES[0], _HIST_EDGES[-1]), bins=_HIST_EDGES).hist
-    return {"count": int(n.numel()), "sum": float(n.sum()), "sumsq": float((n * n).sum()),
-            "min": float(n.min()) if n.numel() else None, "max": float(n.max()) if n.numel() else None,
-            "hist": [int(v) for v in hist.tolist()]}
+    return {
+        "count": int(n.numel()),
+        "sum": float(n.sum()),
+        "sumsq": float((n * n).sum()),
+        "min": float(n.min()) if n.numel() else None,
+        "max": float(n.max()) if n.numel() else None,
+        "hist": [int(v) for v in hist.tolist()],
+    }
 
 
 def _merge_stats(parts: list[dict]) -> dict:
@@ -154,10 +170,17 @@ def _merge_stats(parts: list[dict]) -> dict:
     ss = sum(p["sumsq"] for p in parts)
     mean = s / count
     hist = [sum(col) for col in zip(*(p["hist"] for p in parts), strict=True)]
-    return {"count": count, "mean": mean, "std": max(ss / count - mean * mean, 0.0) ** 0.5,
-            "min": min(p["min"] for p in parts), "max": max(p["max"] for p in parts),
-            "p05": _hist_quantile(hist, 0.05), "p50": _hist_quantile(hist, 0.5), "p95": _hist_quantile(hist, 0.95),
-            "hist": hist}
+    return {
+        "count": count,
+        "mean": mean,
+        "std": max(ss / count - mean * mean, 0.0) ** 0.5,
+        "min": min(p["min"] for p in parts),
+        "max": max(p["max"] for p in parts),
+        "p05": _hist_quantile(hist, 0.05),
+        "p50": _hist_quantile(hist, 0.5),
+        "p95": _hist_quantile(hist, 0.95),
+        "hist": hist,
+    }
 
 
 def _hist_quantile(hist: list[int], q: float) -> float:
@@ -194,8 +217,13 @@ def _pack_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def write_shard(target, samples: list[tuple[list[int], list[bool]]], cfg: CaptureConfig, path: Path,
-                recorder: AuxRecorder) -> dict:
+def write_shard(
+    target,
+    samples: list[tuple[list[int], list[bool]]],
+    cfg: CaptureConfig,
+    path: Path,
+    recorder: AuxRecorder,
+) -> dict:
     """Capture one shard and write it atomically; returns its entry for the manifest."""
     from safetensors.torch import save
 
@@ -212,18 +240,34 @@ def write_shard(target, samples: list[tuple[list[int], list[bool]]], cfg: Captur
     last = torch.cat([r[1] for r in results]).to(dtype)  # type: ignore[index]
     H = last.shape[-1]
     k = aux.shape[-1] // H
-    stats = {f"aux{j}": _norm_stats(aux[:, j * H:(j + 1) * H]) for j in range(k)}
+    stats = {f"aux{j}": _norm_stats(aux[:, j * H : (j + 1) * H]) for j in range(k)}
     stats["last"] = _norm_stats(last)
-    tensors = {"input_ids": ids, "loss_mask": mask, "offsets": offsets,
-               "aux_hidden": aux.contiguous(), "last_hidden": last.contiguous()}
+    tensors = {
+        "input_ids": ids,
+        "loss_mask": mask,
+        "offsets": offsets,
+        "aux_hidden": aux.contiguous(),
+        "last_hidden": last.contiguous(),
+    }
     data = save(tensors, metadata={"workbench_norm_stats": json.dumps(stats)})
     atomic_write_bytes(path, data)
-    return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "num_samples": len(samples),
-            "num_tokens": int(ids.numel()), "num_loss_tokens": int(mask.sum())}
+    return {
+        "file": path.name,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "num_samples": len(samples),
+        "num_tokens": int(ids.numel()),
+        "num_loss_tokens": int(mask.sum()),
+    }
 
 
-def capture(target, conversations: list, out_dir: str | os.PathLike, cfg: CaptureConfig,
-            prompt_set: dict | None = None, progress: bool = True) -> dict:
+def capture(
+    target,
+    conversations: list,
+    out_dir: str | os.PathLike,
+    cfg: CaptureConfig,
+    prompt_set: dict | None = None,
+    progress: bool = True,
+) -> dict:
     """Capture aux hidden states for conversations (lists of messages); resumable.
 
     `conversations` are message lists ending with assistant turns (see data.Prompt.messages).
@@ -236,20 +280,31 @@ def capture(target, conversations: list, out_dir: str | os.PathLike, cfg: Captur
     out.mkdir(parents=True, exist_ok=True)
     validate(cfg.layer_ids, target.num_layers)
     layer_ids = cfg.layer_ids.to(CANONICAL)
-    encoded = [encode_conversation(target.tokenizer, msgs, cfg.max_length) for msgs in conversations]
+    encoded = [
+        encode_conversation(target.tokenizer, msgs, cfg.max_length) for msgs in conversations
+    ]
     data_hash = hashlib.sha256(json.dumps(encoded).encode()).hexdigest()[:16]
-    args = {"format_version": FORMAT_VERSION, "target_fingerprint": target.fingerprint,
-            "layer_ids": layer_ids.to_dict(), "dtype": cfg.dtype, "max_length": cfg.max_length,
-            "samples_per_shard": cfg.samples_per_shard, "data_hash": data_hash, "num_samples": len(encoded)}
+    args = {
+        "format_version": FORMAT_VERSION,
+        "target_fingerprint": target.fingerprint,
+        "layer_ids": layer_ids.to_dict(),
+        "dtype": cfg.dtype,
+        "max_length": cfg.max_length,
+        "samples_per_shard": cfg.samples_per_shard,
+        "data_hash": data_hash,
+        "num_samples": len(encoded),
+    }
     _claim(out / "capture-args.json", args)
     S = cfg.samples_per_shard
     n_shards = (len(encoded) + S - 1) // S
     total_tokens = sum(len(e[0]) for e in encoded)
-    bar = tqdm(total=total_tokens, desc="capture", unit="tok", unit_scale=True, disable=not progress)
+    bar = tqdm(
+        total=total_tokens, desc="capture", unit="tok", unit_scale=True, disable=not progress
+    )
     entries = []
     with AuxRecorder(target, layer_ids) as rec:
         for si in range(n_shards):
-            chunk = encoded[si * S:(si + 1) * S]
+            chunk = encoded[si * S : (si + 1) * S]
             path = out / _shard_name(si)
             if path.exists():
                 entries.append(_entry_from_existing(path, len(chunk)))
@@ -268,8 +323,8 @@ def capture(target, conversations: list, out_dir: str | os.PathLike, cfg: Captur
     norm_stats["last"] = {"layer": target.num_layers - 1, **_merge_stats(stats_parts["last"])}
     manifest = {
         "format_version": FORMAT_VERSION,
-        "target": {k: v for k, v in target.describe().items() if k != "path"} | {
-            "tokenizer_hash": tokenizer_hash(target.tokenizer)},
+        "target": {k: v for k, v in target.describe().items() if k != "path"}
+        | {"tokenizer_hash": tokenizer_hash(target.tokenizer)},
         "layer_ids": layer_ids.to_dict(),
         "hidden_size": target.hidden_size,
         "dtype": cfg.dtype,
@@ -310,9 +365,16 @@ def _entry_from_existing(path: Path, n_samples: int) -> dict:
             mask = f.get_tensor("loss_mask")
             n_tok = f.get_slice("input_ids").get_shape()[0]
     except Exception as e:  # noqa: BLE001
-        raise CaptureError(f"{path}: unreadable shard ({e}); delete it and rerun to recapture it") from e
-    return {"file": path.name, "sha256": hashlib.sha256(data).hexdigest(), "num_samples": n_samples,
-            "num_tokens": int(n_tok), "num_loss_tokens": int(mask.sum())}
+        raise CaptureError(
+            f"{path}: unreadable shard ({e}); delete it and rerun to recapture it"
+        ) from e
+    return {
+        "file": path.name,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "num_samples": n_samples,
+        "num_tokens": int(n_tok),
+        "num_loss_tokens": int(mask.sum()),
+    }
 
 
 def read_shard_stats(path: Path) -> dict:
@@ -337,12 +399,19 @@ class CaptureReader:
         self.path = Path(path)
         mf = self.path / "manifest.json"
         if not mf.is_file():
-            hint = (" (a capture was started here but did not finish: rerun the same command to resume)"
-                    if (self.path / "capture-args.json").exists() else "")
-            raise CaptureError(f"{self.path}: no manifest.json; not a finished capture directory{hint}")
+            hint = (
+                " (a capture was started here but did not finish: rerun the same command to resume)"
+                if (self.path / "capture-args.json").exists()
+                else ""
+            )
+            raise CaptureError(
+                f"{self.path}: no manifest.json; not a finished capture directory{hint}"
+            )
         self.manifest = json.loads(mf.read_text())
         if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise CaptureError(f"{mf}: format_version {self.manifest.get('format_version')} != {FORMAT_VERSION}")
+            raise CaptureError(
+                f"{mf}: format_version {self.manifest.get('format_version')} != {FORMAT_VERSION}"
+            )
         try:
             self.layer_ids = LayerIds.from_dict(self.manifest.get("layer_ids"))
         except LayerConventionError as e:
@@ -360,10 +429,14 @@ class CaptureReader:
                 f = safe_open(str(p), framework="pt")
                 offs = f.get_tensor("offsets")
             except Exception as ex:  # noqa: BLE001 - safetensors raises several types
-                raise CaptureError(f"{p}: corrupt or truncated shard ({ex}); recapture it "
-                                   "(delete the file and rerun the capture command)") from ex
+                raise CaptureError(
+                    f"{p}: corrupt or truncated shard ({ex}); recapture it "
+                    "(delete the file and rerun the capture command)"
+                ) from ex
             if len(offs) != e["num_samples"] + 1:
-                raise CaptureError(f"{p}: holds {len(offs) - 1} samples, manifest says {e['num_samples']}")
+                raise CaptureError(
+                    f"{p}: holds {len(offs) - 1} samples, manifest says {e['num_samples']}"
+                )
             self._files.append(f)
             self._offsets.append(offs.tolist())
             self._starts.append(self._starts[-1] + e["num_samples"])
@@ -376,8 +449,10 @@ class CaptureReader:
                 raise CaptureError(f"{p}: shard listed in the manifest is missing")
             got = sha256_file(p)
             if got != e["sha256"]:
-                raise CaptureError(f"{p}: checksum mismatch (sha256 {got[:12]}…, manifest {e['sha256'][:12]}…): "
-                                   "the shard is corrupt or truncated; recapture it")
+                raise CaptureError(
+                    f"{p}: checksum mismatch (sha256 {got[:12]}…, manifest {e['sha256'][:12]}…): "
+                    "the shard is corrupt or truncated; recapture it"
+                )
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -402,9 +477,14 @@ class CaptureReader:
         a, b = self._offsets[s][j], self._offsets[s][j + 1]
         f = self._files[s]
         try:
-            return {name: f.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+            return {
+                name: f.get_slice(name)[a:b]
+                for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+            }
         except Exception as ex:  # noqa: BLE001
-            raise CaptureError(f"{self.path / self.manifest['shards'][s]['file']}: cannot read sample {j} ({ex})") from ex
+            raise CaptureError(
+                f"{self.path / self.manifest['shards'][s]['file']}: cannot read sample {j} ({ex})"
+            ) from ex
 
     def __iter__(self) -> Iterator[dict]:
         for i in range(len(self)):
@@ -422,7 +502,9 @@ class CaptureReader:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
     def config_dict(self) -> dict:
-        return asdict(CaptureConfig(self.layer_ids, self.manifest["dtype"], self.manifest["max_length"]))
+        return asdict(
+            CaptureConfig(self.layer_ids, self.manifest["dtype"], self.manifest["max_length"])
+        )
 
 
 def summarize(reader: CaptureReader) -> dict:
@@ -444,6 +526,10 @@ def summarize(reader: CaptureReader) -> dict:
         "dtype": m["dtype"],
         "disk_bytes": disk,
         "bytes_per_token": round(disk / max(m["num_tokens"], 1), 1),
-        "bytes_per_token_parts": {"aux_hidden": k * H * elt, "last_hidden": H * elt,
-                                  "input_ids": 8, "loss_mask": 1},
+        "bytes_per_token_parts": {
+            "aux_hidden": k * H * elt,
+            "last_hidden": H * elt,
+            "input_ids": 8,
+            "loss_mask": 1,
+        },
     }

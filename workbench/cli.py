@@ -8,7 +8,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 
 
 @app.command()
-def info(target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'")) -> None:
+def info(
+    target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
+) -> None:
     """Load a target and print its description and fingerprint."""
     import json
 
@@ -43,26 +45,47 @@ def regenerate(
     try:
         t = load_target(target)
         ps = select(load_prompt_set(prompts), n or None)
-        info = regen(t, ps, out, RegenConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                             batch_size=batch_size, dtype=dtype, seed=seed))
+        info = regen(
+            t,
+            ps,
+            out,
+            RegenConfig(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                batch_size=batch_size,
+                dtype=dtype,
+                seed=seed,
+            ),
+        )
     except (DataError, TargetError) as e:
         _fail(str(e))
-    typer.echo(f"regenerated {len(ps)} prompts into {out}: {info['new_tokens_this_run']} new tokens, "
-               f"{info['tok_s']} tok/s")
+    typer.echo(
+        f"regenerated {len(ps)} prompts into {out}: {info['new_tokens_this_run']} new tokens, "
+        f"{info['tok_s']} tok/s"
+    )
 
 
 @app.command()
 def capture(
     target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
-    prompts: str = typer.Option("train", help="prompt set: 'train', 'mtbench', 'humaneval', a .jsonl, or a regeneration dir"),
+    prompts: str = typer.Option(
+        "train", help="prompt set: 'train', 'mtbench', 'humaneval', a .jsonl, or a regeneration dir"
+    ),
     out: str = typer.Option(..., help="capture directory (resumable; refuses other arguments)"),
     n: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
     max_length: int = typer.Option(2048, help="truncate conversations to this many tokens"),
-    layers: str = typer.Option("default", help="aux layer ids, e.g. '1,14,26', or 'default' ([1, N//2-1, N-4])"),
-    convention: str = typer.Option("output_of_layer", help="convention of --layers: output_of_layer | hf_hidden_states_index | input_of_layer"),
+    layers: str = typer.Option(
+        "default", help="aux layer ids, e.g. '1,14,26', or 'default' ([1, N//2-1, N-4])"
+    ),
+    convention: str = typer.Option(
+        "output_of_layer",
+        help="convention of --layers: output_of_layer | hf_hidden_states_index | input_of_layer",
+    ),
     dtype: str = typer.Option("bfloat16", help="storage dtype of hidden states"),
     target_dtype: str = typer.Option("float32", help="compute dtype of the target"),
-    device: str = typer.Option("cpu", help="cpu, cuda, or 'auto' (device_map=auto over several GPUs)"),
+    device: str = typer.Option(
+        "cpu", help="cpu, cuda, or 'auto' (device_map=auto over several GPUs)"
+    ),
     regen_dir: str = typer.Option("", help="where answers are regenerated (default: OUT/regen)"),
     max_new_tokens: int = typer.Option(512, help="regeneration length for prompts without answers"),
     batch_tokens: int = typer.Option(8192, help="padded tokens per capture forward"),
@@ -80,19 +103,32 @@ def capture(
         dm = "auto" if device == "auto" else None
         t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
         ids = parse_layer_spec(layers, t.num_layers, convention)
-        ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen",
-                                         RegenConfig(max_new_tokens=max_new_tokens))
-        m = run_capture(t, [p.messages() for p in ps], out,
-                        CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens),
-                        prompt_set=info)
+        ps, info = prepare_conversations(
+            t,
+            prompts,
+            n or None,
+            regen_dir or Path(out) / "regen",
+            RegenConfig(max_new_tokens=max_new_tokens),
+        )
+        m = run_capture(
+            t,
+            [p.messages() for p in ps],
+            out,
+            CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens),
+            prompt_set=info,
+        )
     except (CaptureError, DataError, TargetError, LayerConventionError) as e:
         _fail(str(e))
-    typer.echo(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens "
-               f"({m['num_loss_tokens']} assistant) at layers {m['layer_ids']} into {out}")
+    typer.echo(
+        f"captured {m['num_samples']} samples, {m['num_tokens']} tokens "
+        f"({m['num_loss_tokens']} assistant) at layers {m['layer_ids']} into {out}"
+    )
 
 
 @app.command("import-data")
-def import_data(path: str = typer.Argument(..., help="JSONL in ShareGPT or OpenAI-messages form")) -> None:
+def import_data(
+    path: str = typer.Argument(..., help="JSONL in ShareGPT or OpenAI-messages form"),
+) -> None:
     """Check a user data file: counts kept conversations and lists malformed lines."""
     from workbench.data import DataError, import_jsonl
 
@@ -108,12 +144,22 @@ def import_data(path: str = typer.Argument(..., help="JSONL in ShareGPT or OpenA
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
-    notebook: str = typer.Argument(..., help="notebook to execute (.ipynb with a tagged parameters cell)"),
-    params_file: list[str] = typer.Option([], "-f", "--parameters-file", help="YAML mapping of parameters (repeatable)"),
-    reports_dir: str = typer.Option("reports", "--reports-dir", help="where run directories and index.html go"),
-    run_id: str = typer.Option("", "--run-id", help="put the notebook into this run directory (default: a new one)"),
+    notebook: str = typer.Argument(
+        ..., help="notebook to execute (.ipynb with a tagged parameters cell)"
+    ),
+    params_file: list[str] = typer.Option(
+        [], "-f", "--parameters-file", help="YAML mapping of parameters (repeatable)"
+    ),
+    reports_dir: str = typer.Option(
+        "reports", "--reports-dir", help="where run directories and index.html go"
+    ),
+    run_id: str = typer.Option(
+        "", "--run-id", help="put the notebook into this run directory (default: a new one)"
+    ),
     kernel: str = typer.Option("", "--kernel", help="kernel name (default: the notebook's)"),
-    log_output: bool = typer.Option(False, "--log-output", help="stream the notebook's output here"),
+    log_output: bool = typer.Option(
+        False, "--log-output", help="stream the notebook's output here"
+    ),
 ) -> None:
     """Execute NOTEBOOK with papermill into reports/<run-id>/ (+ HTML, run manifest, index).
 
@@ -121,7 +167,9 @@ def run(
     from workbench.reports import NotebookFailed, UnknownParameters, load_parameters, run_notebook
 
     if not notebook.endswith(".ipynb"):
-        _fail(f"{notebook!r} is not a notebook; usage: workbench run NOTEBOOK.ipynb [-p NAME VALUE ...]")
+        _fail(
+            f"{notebook!r} is not a notebook; usage: workbench run NOTEBOOK.ipynb [-p NAME VALUE ...]"
+        )
     pairs, extra = [], list(ctx.args)
     while extra:
         flag = extra.pop(0)
@@ -130,8 +178,15 @@ def run(
         pairs.append((extra.pop(0), extra.pop(0)))
     try:
         params = load_parameters(params_file, pairs)
-        r = run_notebook(notebook, params, reports_dir, run_id or None, kernel or None,
-                         progress_bar=True, log_output=log_output)
+        r = run_notebook(
+            notebook,
+            params,
+            reports_dir,
+            run_id or None,
+            kernel or None,
+            progress_bar=True,
+            log_output=log_output,
+        )
     except (UnknownParameters, NotebookFailed, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     typer.echo(f"{r.notebook}: {r.status} in {r.duration_s:.1f}s -> {r.html}")
@@ -141,11 +196,15 @@ def run(
 
 @app.command()
 def pipeline(
-    profile: str = typer.Option("quick", help="quick (~25 min on 2 cores) or full (~2-3 h, better draft)"),
+    profile: str = typer.Option(
+        "quick", help="quick (~25 min on 2 cores) or full (~2-3 h, better draft)"
+    ),
     target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
     reports_dir: str = typer.Option("reports", "--reports-dir"),
     force: bool = typer.Option(False, "--force", help="rerun stages whose inputs are unchanged"),
-    browser_check: bool = typer.Option(True, help="open each HTML report in headless Chromium when available"),
+    browser_check: bool = typer.Option(
+        True, help="open each HTML report in headless Chromium when available"
+    ),
 ) -> None:
     """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) as one report run."""
     from workbench.pipeline import stages
@@ -161,7 +220,9 @@ def pipeline(
         results = run_stages(stages(profile, target), reports_dir, force=force, progress_bar=True)
     except (UnknownParameters, NotebookFailed, ValueError, KeyError) as e:
         _fail(str(e))
-    typer.echo(f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results))
+    typer.echo(
+        f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results)
+    )
     figures = {k: v for r in results for k, v in r.figures.items()}
     if figures:
         typer.echo("key figures: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
@@ -169,8 +230,10 @@ def pipeline(
         for r in results:
             if r.status == "ok":
                 res = check_html_in_browser(r.html, screenshot=r.html.with_suffix(".png"))
-                typer.echo(f"browser check {r.html.name}: {res['rendered_plots']}/{res['plots']} plots rendered, "
-                           f"{len(res['js_errors'])} JS errors -> {res['screenshot']}")
+                typer.echo(
+                    f"browser check {r.html.name}: {res['rendered_plots']}/{res['plots']} plots rendered, "
+                    f"{len(res['js_errors'])} JS errors -> {res['screenshot']}"
+                )
     typer.echo(f"open {reports_dir}/index.html")
 
 
@@ -219,14 +282,25 @@ def train(ctx: typer.Context) -> None:
 
 @app.command("export")
 def export_draft(
-    draft: str = typer.Option(..., "--draft", help="training run dir, checkpoint dir, or an export dir to convert"),
+    draft: str = typer.Option(
+        ..., "--draft", help="training run dir, checkpoint dir, or an export dir to convert"
+    ),
     fmt: str = typer.Option("sglang", "--format", help="sglang | speculators"),
     out: str = typer.Option(..., "--out", help="export directory (written atomically)"),
-    verifier: str = typer.Option("", "--verifier", help="speculators: verifier (target) name or path"),
-    speculative_tokens: int = typer.Option(3, "--speculative-tokens", help="speculators: draft tokens per step"),
-    dtype: str = typer.Option("", "--dtype", help="float32 | bfloat16 | float16 (default: as trained)"),
-    target_max_positions: int = typer.Option(0, "--target-max-position-embeddings",
-                                             help="refuse a draft whose context is shorter than the target's"),
+    verifier: str = typer.Option(
+        "", "--verifier", help="speculators: verifier (target) name or path"
+    ),
+    speculative_tokens: int = typer.Option(
+        3, "--speculative-tokens", help="speculators: draft tokens per step"
+    ),
+    dtype: str = typer.Option(
+        "", "--dtype", help="float32 | bfloat16 | float16 (default: as trained)"
+    ),
+    target_max_positions: int = typer.Option(
+        0,
+        "--target-max-position-embeddings",
+        help="refuse a draft whose context is shorter than the target's",
+    ),
 ) -> None:
     """Export a draft in the layout SGLang (--speculative-draft-model-path) or vLLM loads."""
     from workbench.draft.export import (
@@ -263,9 +337,12 @@ def export_draft(
 @app.command("import-draft")
 def import_draft_cmd(
     path: str = typer.Argument(..., help="SGLang/SpecForge/EAGLE or speculators draft directory"),
-    layer_convention: str = typer.Option("", "--layer-convention",
-                                         help="output_of_layer | input_of_layer | hf_hidden_states_index"),
-    layer_ids: str = typer.Option("", "--layer-ids", help="ids when the config has none, e.g. '1,14,26'"),
+    layer_convention: str = typer.Option(
+        "", "--layer-convention", help="output_of_layer | input_of_layer | hf_hidden_states_index"
+    ),
+    layer_ids: str = typer.Option(
+        "", "--layer-ids", help="ids when the config has none, e.g. '1,14,26'"
+    ),
     target_max_positions: int = typer.Option(0, "--target-max-position-embeddings"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 when anything is flagged"),
 ) -> None:
@@ -274,8 +351,12 @@ def import_draft_cmd(
     from workbench.layers import LayerConventionError
 
     try:
-        imp = import_draft(path, layer_convention or None, layer_ids=layer_ids or None,
-                           target_max_position_embeddings=target_max_positions or None)
+        imp = import_draft(
+            path,
+            layer_convention or None,
+            layer_ids=layer_ids or None,
+            target_max_position_embeddings=target_max_positions or None,
+        )
     except (DraftImportError, LayerConventionError) as e:
         _fail(str(e))
     typer.echo(imp.summary())
@@ -287,8 +368,12 @@ def import_draft_cmd(
 def audit(
     draft: str = typer.Option(..., "--draft", help="draft export dir (or training run dir)"),
     capture: str = typer.Option("", "--capture", help="capture directory the draft was trained on"),
-    serving: str = typer.Option("", "--serving", help='serving command line, e.g. "python -m sglang.launch_server ..."'),
-    target: str = typer.Option("", "--target", help="target (HF dir, .gguf, 'smollm2-135m') to check against"),
+    serving: str = typer.Option(
+        "", "--serving", help='serving command line, e.g. "python -m sglang.launch_server ..."'
+    ),
+    target: str = typer.Option(
+        "", "--target", help="target (HF dir, .gguf, 'smollm2-135m') to check against"
+    ),
 ) -> None:
     """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags).
 
@@ -302,7 +387,13 @@ def audit(
     try:
         tgt = load_target(target) if target else None
         findings = config_audit(draft, capture or None, serving or None, target=tgt)
-    except (DraftImportError, TrainError, LayerConventionError, TargetError, FileNotFoundError) as e:
+    except (
+        DraftImportError,
+        TrainError,
+        LayerConventionError,
+        TargetError,
+        FileNotFoundError,
+    ) as e:
         _fail(str(e))
     typer.echo(format_findings(findings))
     if has_errors(findings):

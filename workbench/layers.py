@@ -91,9 +91,7 @@ class LayerIds:
     @classmethod
     def from_dict(cls, d: dict | None) -> LayerIds:
         if not isinstance(d, dict) or "ids" not in d:
-            raise LayerConventionError(
-                f"expected {{'ids': [...], 'convention': ...}}, got {d!r}"
-            )
+            raise LayerConventionError(f"expected {{'ids': [...], 'convention': ...}}, got {d!r}")
         if "convention" not in d or d["convention"] is None:
             check_convention(None)
         return cls(tuple(d["ids"]), d["convention"])
@@ -149,7 +147,9 @@ def validate(
     return layer_ids
 
 
-def parse_layer_spec(spec: str | Sequence[int] | None, num_layers: int, convention: str = CANONICAL) -> LayerIds:
+def parse_layer_spec(
+    spec: str | Sequence[int] | None, num_layers: int, convention: str = CANONICAL
+) -> LayerIds:
     """Parse `"default"`, `None`, `"1,14,26"` or a list into validated LayerIds."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("", "default")):
         return default_layer_ids(num_layers).to(convention)

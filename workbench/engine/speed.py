@@ -81,22 +81,40 @@ def measurement(name: str, r: dict) -> Measurement:
     return Measurement(params, r["tokens"], r["seconds"], tau)
 
 
-
-
-def speed_table(target, llm, draft, prompts: list[list[int]], configs: list[SpecParams], max_new: int,
-                eos: list[int], with_hf: bool = True) -> tuple[list[dict], dict]:
+def speed_table(
+    target,
+    llm,
+    draft,
+    prompts: list[list[int]],
+    configs: list[SpecParams],
+    max_new: int,
+    eos: list[int],
+    with_hf: bool = True,
+) -> tuple[list[dict], dict]:
     """Rows (method, config, tok/s, tau, ratios, same-output count) plus the raw results."""
-    run_all(build_methods(target, llm, draft, configs, 8, eos, with_hf), prompts[:1], 8, eos)  # warm-up
-    res = run_all(build_methods(target, llm, draft, configs, max_new, eos, with_hf), prompts, max_new, eos)
+    run_all(
+        build_methods(target, llm, draft, configs, 8, eos, with_hf), prompts[:1], 8, eos
+    )  # warm-up
+    res = run_all(
+        build_methods(target, llm, draft, configs, max_new, eos, with_hf), prompts, max_new, eos
+    )
     meas = {n: measurement(n, r) for n, r in res.items()}
     plain = meas["plain"].tok_s
     hf = meas["hf"].tok_s if with_hf else None
     rows = []
     for name, m in meas.items():
         same = sum(a == b for a, b in zip(res[name]["outs"], res["plain"]["outs"], strict=True))
-        rows.append({"method": {"hf": "HF generate", "plain": "engine (no speculation)"}.get(name, "EAGLE-3"),
-                     "config": "-" if name in ("hf", "plain") else name, "tok_s": m.tok_s, "tau": m.tau,
-                     "vs_hf": m.tok_s / hf if hf else None, "vs_plain": m.tok_s / plain,
-                     "same_as_plain": f"{same}/{len(prompts)}"})
+        rows.append(
+            {
+                "method": {"hf": "HF generate", "plain": "engine (no speculation)"}.get(
+                    name, "EAGLE-3"
+                ),
+                "config": "-" if name in ("hf", "plain") else name,
+                "tok_s": m.tok_s,
+                "tau": m.tau,
+                "vs_hf": m.tok_s / hf if hf else None,
+                "vs_plain": m.tok_s / plain,
+                "same_as_plain": f"{same}/{len(prompts)}",
+            }
+        )
     return rows, {"measurements": meas, "results": res}
-
