@@ -58,3 +58,14 @@ def tiny_target(tiny_target_dir):
     from workbench.target import load_target
 
     return load_target(tiny_target_dir)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a small shared CPU: a second torch thread only adds contention."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

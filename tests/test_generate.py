@@ -27,13 +27,7 @@ def tiny(tie: bool = False, rope: dict | None = None, seed: int = 0):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops gain nothing from 2 threads and stall for whole scheduler slices on a busy box."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,7 @@ IDS = (1, 3, 5)
 PARAMS = SpecParams(3, 1, 4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core machine: extra threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- metric definitions
