@@ -30,8 +30,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, sort_keys: bool = True) -> None:
+    """Indented JSON; values JSON cannot hold (paths, dates) are written as strings."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.fsutil import atomic_write_json, atomic_write_text, sha256_file
+
 RUN_DIR_ENV = "WORKBENCH_RUN_DIR"  # set by the runner for the kernel; `record()` writes there
 NOTEBOOK_ENV = "WORKBENCH_NOTEBOOK"
 MANIFEST = "run-manifest.json"
@@ -82,31 +84,12 @@ def record(name: str, value: Any) -> Any:
         path = Path(run_dir) / FIGURES
         data = _read_json(path, {})
         data.setdefault(os.environ.get(NOTEBOOK_ENV, "notebook"), {})[name] = value
-        atomic_write_json(path, data)
+        atomic_write_json(path, data, sort_keys=False)
     return value
 
 
 # ---------------------------------------------------------------------------------------------
 # Small utilities
-
-
-def atomic_write_json(path: str | Path, data: Any) -> None:
-    """Write JSON via temp file + os.replace so readers never see half a manifest."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; reports are shared
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=False, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _read_json(path: Path, default: Any) -> Any:
@@ -154,14 +137,6 @@ def load_parameters(
     for name, value in pairs or []:
         params[name] = parse_value(value)
     return params
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _looks_like_path(value: Any) -> bool:
@@ -421,9 +396,7 @@ def export_html(ipynb: str | Path, html_path: str | Path, banner: str = "") -> P
     if banner:
         body = body.replace("<main>", f"<main>\n{banner}", 1)
     html_path = Path(html_path)
-    tmp = html_path.with_name(f".{html_path.name}.tmp")
-    tmp.write_text(body, encoding="utf-8")
-    os.replace(tmp, html_path)
+    atomic_write_text(html_path, body)
     return html_path
 
 
@@ -478,7 +451,7 @@ def _update_manifest(run_dir: Path, entry: dict[str, Any]) -> dict[str, Any]:
     m["status"] = "failed" if "failed" in states else "running" if "running" in states else "ok"
     m["figures"] = {k: v for e in nbs for k, v in (e.get("figures") or {}).items()}
     m["duration_s"] = round(sum(e.get("duration_s") or 0 for e in nbs), 3)
-    atomic_write_json(path, m)
+    atomic_write_json(path, m, sort_keys=False)
     return m
 
 
@@ -716,7 +689,7 @@ def run_pipeline(
                 "run_id": run_id, "finished": _now(), "figures": res.figures,
                 "duration_s": res.duration_s,
             }  # fmt: skip
-            atomic_write_json(cache_path, cache)
+            atomic_write_json(cache_path, cache, sort_keys=False)
             log(f"{prefix}: ok in {res.duration_s:.1f}s -> {res.html}")
         done[stage.name] = {"figures": res.figures, "parameters": params}
         results.append(res)
@@ -796,9 +769,7 @@ def write_index(reports_dir: str | Path = "reports") -> Path:
 """
     path = reports_dir / "index.html"
     reports_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(".index.html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, page)
     return path
 
 

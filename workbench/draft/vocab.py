@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from workbench.fsutil import atomic_write_json
 
 DEFAULT_DRAFT_VOCAB = 32000
 EMBEDDED_DRAFT_VOCAB = 8192  # recommended for SmolLM2-135M on CPU
@@ -81,13 +82,7 @@ class DraftVocab:
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON atomically (temp file + rename)."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_json(path, self.to_dict())
         return path
 
     @classmethod
