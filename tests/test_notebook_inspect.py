@@ -57,7 +57,7 @@ def test_notebook_03_inspects_audits_and_records(
     rec = json.loads((tmp_path / "figures.json").read_text())["03"]
     assert {
         "tau",
-        "sim_tau",
+        "serve_sim_tau",
         "accept_pos0",
         "audit_verdict",
         "best_wiring",
