@@ -11,6 +11,7 @@ captures, drafts and serving configs record and compare.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -326,7 +327,8 @@ def load_target(
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
     if device_map:
         kwargs["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    with _quiet_loading():  # a sub-second load needs no per-tensor bar in every report
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     if not device_map:
         model.to(device)
     model.eval()
@@ -338,6 +340,19 @@ def load_target(
     target = Target(name=name, path=path, model=model, tokenizer=tokenizer, fingerprint=fp)
     target.load_seconds = time.perf_counter() - t0  # type: ignore[attr-defined]
     return target
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _dtype(name: str):
