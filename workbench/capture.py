@@ -17,16 +17,15 @@ import bisect
 import hashlib
 import json
 import os
-import platform
-import subprocess
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from workbench.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from workbench.fsutil import atomic_write_bytes, atomic_write_json, claim_dir, sha256_file
 from workbench.layers import CANONICAL, LayerConventionError, LayerIds, validate
+from workbench.reports import git_facts, package_versions
 
 FORMAT_VERSION = 1
 _HIST_EDGES = torch.logspace(-2, 5, 141)  # token-norm histogram bins (0.01 .. 1e5)
@@ -46,33 +45,6 @@ class CaptureConfig:
 
 
 # ---------------------------------------------------------------- small utilities
-
-
-def git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def versions() -> dict:
-    import transformers
-
-    import workbench
-
-    return {
-        "workbench": workbench.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -294,7 +266,11 @@ def capture(
         "data_hash": data_hash,
         "num_samples": len(encoded),
     }
-    _claim(out / "capture-args.json", args)
+    if diff := claim_dir(out / "capture-args.json", args):
+        raise CaptureError(
+            f"{out} holds a capture made with different arguments:\n{diff}\n"
+            "Rerun with the original arguments to resume, or capture into a new directory."
+        )
     S = cfg.samples_per_shard
     n_shards = (len(encoded) + S - 1) // S
     total_tokens = sum(len(e[0]) for e in encoded)
@@ -335,25 +311,11 @@ def capture(
         "prompt_set": (prompt_set or {}) | {"data_hash": data_hash},
         "norm_stats": norm_stats,
         "shards": entries,
-        "versions": versions(),
-        "git_sha": git_sha(),
+        "versions": package_versions(),
+        "git_sha": git_facts()["sha"],
     }
     atomic_write_json(out / "manifest.json", manifest)
     return manifest
-
-
-def _claim(args_file: Path, args: dict) -> None:
-    if args_file.exists():
-        old = json.loads(args_file.read_text())
-        if old != json.loads(json.dumps(args)):
-            diff = sorted(k for k in set(old) | set(args) if old.get(k) != args.get(k))
-            lines = "\n".join(f"  {k}: was {old.get(k)!r}, now {args.get(k)!r}" for k in diff)
-            raise CaptureError(
-                f"{args_file.parent} holds a capture made with different arguments:\n{lines}\n"
-                "Rerun with the original arguments to resume, or capture into a new directory."
-            )
-    else:
-        atomic_write_json(args_file, args)
 
 
 def _entry_from_existing(path: Path, n_samples: int) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.fsutil import atomic_write_text
+from workbench.fsutil import atomic_write_text, claim_dir
 
 ASSETS = Path(__file__).parent / "assets"
 MTBENCH_FILE = (
@@ -365,7 +365,11 @@ def regenerate(
         "n": len(prompts),
         **asdict(cfg),
     }
-    _claim_dir(out / "regen-args.json", args, "regeneration")
+    if diff := claim_dir(out / "regen-args.json", args):
+        raise DataError(
+            f"{out} holds a regeneration started with different arguments:\n{diff}\n"
+            f"Use a new output directory, or delete {out} to start over."
+        )
     eos = eos_ids(target.tokenizer)
     chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
     new_tokens, seconds = 0, 0.0
@@ -430,22 +434,6 @@ def read_regenerated(out_dir: str | os.PathLike) -> list[Prompt]:
             if line.strip():
                 prompts.append(Prompt(**json.loads(line)))
     return prompts
-
-
-def _claim_dir(args_file: Path, args: dict, what: str) -> None:
-    """Record the arguments a directory was started with; refuse different ones."""
-    if args_file.exists():
-        old = json.loads(args_file.read_text())
-        if old != json.loads(json.dumps(args)):
-            diff = sorted(k for k in set(old) | set(args) if old.get(k) != args.get(k))
-            lines = [f"  {k}: was {old.get(k)!r}, now {args.get(k)!r}" for k in diff]
-            raise DataError(
-                f"{args_file.parent} holds a {what} started with different arguments:\n"
-                + "\n".join(lines)
-                + f"\nUse a new output directory, or delete {args_file.parent} to start over."
-            )
-    else:
-        atomic_write_text(args_file, json.dumps(args, indent=2, sort_keys=True))
 
 
 def prepare_conversations(

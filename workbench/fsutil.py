@@ -42,3 +42,22 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def claim_dir(args_file: str | os.PathLike, args: dict) -> str | None:
+    """Record the arguments a resumable job started a directory with.
+
+    Returns None when the directory is new (the arguments are written) or was started with
+    the same arguments; otherwise the differences, one `  key: was X, now Y` line each, for
+    the caller's refusal message.
+    """
+    args_file = Path(args_file)
+    if not args_file.exists():
+        atomic_write_json(args_file, args)
+        return None
+    old = json.loads(args_file.read_text())
+    new = json.loads(json.dumps(args, default=str))
+    if old == new:
+        return None
+    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return "\n".join(f"  {k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
