@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine import choose_params
 from workbench.engine.speed import (
     DEFAULT_CONFIGS,
     parse_configs,
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         _, extra = speed_table(
             target, llm, draft, calib, configs, args.max_new_tokens, eos, with_hf=False
         )
-        chosen, note = choose_params(list(extra["measurements"].values()))
+        chosen, note = extra["chosen"], extra["reason"]
         print(f"auto (on {len(calib)} calibration prompts): {note}")
         configs = [chosen] if chosen else []
 

@@ -247,6 +247,10 @@ def test_choose_params_falls_back_to_no_speculation():
     assert choose_params([plain, fast, slow])[0] == SpecParams(2, 1, 3)
     chosen, why = choose_params([plain, slow])
     assert chosen is None and "no speculation" in why and "too weak" in why
+    # a second baseline (a slow HF generate) would make a losing setting look like a win
+    hf = Measurement(None, 100, 30.0)
+    with pytest.raises(ValueError, match="exactly one baseline"):
+        choose_params([hf, plain, slow])
 
 
 # ---------------------------------------------------------------- trace

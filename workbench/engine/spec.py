@@ -551,8 +551,11 @@ def choose_params(
     """
     plain = [m for m in measured if m.params is None]
     spec = sorted((m for m in measured if m.params is not None), key=lambda m: -m.tok_s)
-    if not plain:
-        raise ValueError("choose_params needs a measurement without speculation (params=None)")
+    if len(plain) != 1:
+        raise ValueError(
+            f"choose_params needs exactly one baseline measurement (params=None), got {len(plain)}; "
+            "leave out other baselines such as HF generate, or the ratio is taken against the wrong one"
+        )
     base = plain[0].tok_s
     if not spec:
         return None, "no speculative setting measured: decoding without speculation"

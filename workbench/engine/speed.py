@@ -14,6 +14,7 @@ from workbench.engine.spec import (
     Measurement,
     SpecDecoder,
     SpecParams,
+    choose_params,
     resolve_params,
 )
 
@@ -91,7 +92,8 @@ def speed_table(
     eos: list[int],
     with_hf: bool = True,
 ) -> tuple[list[dict], dict]:
-    """Rows (method, config, tok/s, tau, ratios, same-output count) plus the raw results."""
+    """Rows (method, config, tok/s, tau, ratios, same-output count) plus the raw results and
+    the setting to serve, chosen against the engine's own plain decoding (never HF generate)."""
     run_all(
         build_methods(target, llm, draft, configs, 8, eos, with_hf), prompts[:1], 8, eos
     )  # warm-up
@@ -117,4 +119,5 @@ def speed_table(
                 "same_as_plain": f"{same}/{len(prompts)}",
             }
         )
-    return rows, {"measurements": meas, "results": res}
+    chosen, reason = choose_params([m for n, m in meas.items() if n != "hf"])
+    return rows, {"measurements": meas, "results": res, "chosen": chosen, "reason": reason}
