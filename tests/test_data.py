@@ -158,3 +158,34 @@ def test_regenerate_is_resumable_and_refuses_other_arguments(tiny_target, tmp_pa
             RegenConfig(max_new_tokens=7, chunk_size=2, batch_size=4, dtype="float32"),
             progress=False,
         )
+
+
+def test_extra_sampled_answers_follow_greedy_ones(tiny_target, tmp_path):
+    from workbench.data import base_id, eos_ids, prepare_conversations, prompt_ids
+    from workbench.generate import generate_batch
+
+    prompts = [
+        Prompt(f"p{i}", "t", [f"Count to {i}."] + (["More?"] if i == 1 else [])) for i in range(3)
+    ]
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps({"id": p.id, "category": "t", "turns": p.turns}) + "\n"
+                            for p in prompts))  # fmt: skip
+    cfg = RegenConfig(max_new_tokens=8, chunk_size=4, batch_size=4, dtype="float32", samples=3,
+                      sample_temperature=1.0)  # fmt: skip
+    convs, _ = prepare_conversations(
+        tiny_target, path, None, tmp_path / "regen", cfg, progress=False
+    )
+    assert [c.id for c in convs] == ["p0", "p1", "p2", "p0@sample1", "p1@sample1", "p2@sample1",
+                                     "p0@sample2", "p1@sample2", "p2@sample2"]  # fmt: skip
+    assert [base_id(c.id) for c in convs] == ["p0", "p1", "p2"] * 3
+    assert all(c.complete for c in convs) and len(convs[4].answers) == 2
+    # the first answers are the greedy ones; the sampled ones differ from them
+    tok = tiny_target.tokenizer
+    greedy = generate_batch(tiny_target.model, [prompt_ids(tok, prompts[0].messages(1))], 8,
+                            eos_ids(tok), dtype="float32", progress=False)[0]  # fmt: skip
+    assert convs[0].answers[0] == tok.decode(greedy, skip_special_tokens=True).strip()
+    assert len({c.answers[0] for c in convs if base_id(c.id) == "p0"}) > 1
+    with pytest.raises(DataError, match="sample_temperature > 0"):
+        regenerate(
+            tiny_target, prompts, tmp_path / "x", RegenConfig(samples=2, sample_temperature=0)
+        )

@@ -349,3 +349,15 @@ def test_profiles_and_cli_args():
     )
     with pytest.raises(ValueError):
         profile("nope")
+
+
+def test_split_keeps_answers_to_one_prompt_together():
+    from workbench.draft.train import split_indices
+
+    groups = [f"p{i % 50}" for i in range(150)]  # 3 answers to each of 50 prompts
+    train_idx, val_idx = split_indices(150, 0.1, 256, seed=0, groups=groups)
+    assert sorted(train_idx + val_idx) == list(range(150))
+    assert 15 <= len(val_idx) <= 17 and len(val_idx) % 3 == 0
+    assert not {groups[i] for i in val_idx} & {groups[i] for i in train_idx}
+    # without groups the split is the plain per-sample one (old runs resume unchanged)
+    assert split_indices(150, 0.1, 256, seed=0) == split_indices(150, 0.1, 256, 0, None)

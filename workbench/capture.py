@@ -239,10 +239,13 @@ def capture(
     cfg: CaptureConfig,
     prompt_set: dict | None = None,
     progress: bool = True,
+    groups: list[str] | None = None,
 ) -> dict:
     """Capture aux hidden states for conversations (lists of messages); resumable.
 
     `conversations` are message lists ending with assistant turns (see data.Prompt.messages).
+    `groups` (one name per conversation, e.g. the prompt id) keeps several answers to one
+    prompt on the same side of training's held-out split.
     """
     from workbench.data import encode_conversation
     from workbench.progress import progress as tqdm
@@ -251,6 +254,8 @@ def capture(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     validate(cfg.layer_ids, target.num_layers)
+    if groups is not None and len(groups) != len(conversations):
+        raise CaptureError(f"{len(groups)} groups for {len(conversations)} conversations")
     layer_ids = cfg.layer_ids.to(CANONICAL)
     encoded = [
         encode_conversation(target.tokenizer, msgs, cfg.max_length) for msgs in conversations
@@ -311,6 +316,7 @@ def capture(
         "prompt_set": (prompt_set or {}) | {"data_hash": data_hash},
         "norm_stats": norm_stats,
         "shards": entries,
+        "groups": list(groups) if groups is not None else None,
         "versions": package_versions(),
         "git_sha": git_facts()["sha"],
     }

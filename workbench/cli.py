@@ -89,13 +89,17 @@ def capture(
     regen_dir: str = typer.Option("", help="where answers are regenerated (default: OUT/regen)"),
     max_new_tokens: int = typer.Option(512, help="regeneration length for prompts without answers"),
     batch_tokens: int = typer.Option(8192, help="padded tokens per capture forward"),
+    samples: int = typer.Option(
+        1, help="answers per regenerated prompt: the first greedy, the others sampled"
+    ),
+    sample_temperature: float = typer.Option(0.8, help="temperature of the extra answers"),
 ) -> None:
     """Capture aux hidden states (+ final hidden) into shards + manifest.json."""
     from pathlib import Path
 
     from workbench.capture import CaptureConfig, CaptureError
     from workbench.capture import capture as run_capture
-    from workbench.data import DataError, RegenConfig, prepare_conversations
+    from workbench.data import DataError, RegenConfig, base_id, prepare_conversations
     from workbench.layers import LayerConventionError, parse_layer_spec
     from workbench.target import TargetError, load_target
 
@@ -108,7 +112,11 @@ def capture(
             prompts,
             n or None,
             regen_dir or Path(out) / "regen",
-            RegenConfig(max_new_tokens=max_new_tokens),
+            RegenConfig(
+                max_new_tokens=max_new_tokens,
+                samples=samples,
+                sample_temperature=sample_temperature,
+            ),
         )
         m = run_capture(
             t,
@@ -116,6 +124,7 @@ def capture(
             out,
             CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens),
             prompt_set=info,
+            groups=[base_id(p.id) for p in ps],
         )
     except (CaptureError, DataError, TargetError, LayerConventionError) as e:
         _fail(str(e))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import time
@@ -338,6 +339,28 @@ class RegenConfig:
     dtype: str = "bfloat16"
     chunk_size: int = 128  # prompts per resumable chunk file
     max_prompt_tokens: int = 1536
+    # answers per prompt: the first at `temperature`, the others sampled at
+    # `sample_temperature`/`top_p`; more distinct target text per prompt for the draft
+    samples: int = 1
+    sample_temperature: float = 0.8
+
+
+SAMPLE_SEP = "@sample"  # id of the extra answers: "<prompt id>@sample1", ...
+
+
+def base_id(prompt_id: str) -> str:
+    """The prompt an (extra) answer belongs to; held-out splits group by it."""
+    return prompt_id.split(SAMPLE_SEP, 1)[0]
+
+
+def _expand_samples(prompts: list[Prompt], n: int) -> list[Prompt]:
+    """Prompts repeated for `n` answers each; all first answers first, so chunks are uniform."""
+    return [
+        Prompt(p.id if s == 0 else f"{p.id}{SAMPLE_SEP}{s}", p.category, list(p.turns), [],
+               p.system)
+        for s in range(n)
+        for p in prompts
+    ]  # fmt: skip
 
 
 def regenerate(
@@ -357,6 +380,13 @@ def regenerate(
     from workbench.progress import progress as tqdm
 
     cfg = cfg or RegenConfig()
+    if cfg.samples < 1:
+        raise DataError(f"samples={cfg.samples}: need at least one answer per prompt")
+    if cfg.samples > 1 and cfg.sample_temperature <= 0:
+        raise DataError(
+            f"samples={cfg.samples} with sample_temperature={cfg.sample_temperature}: greedy "
+            "extra answers would repeat the first one; set sample_temperature > 0 (e.g. 0.8)"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     args = {
@@ -365,6 +395,9 @@ def regenerate(
         "n": len(prompts),
         **asdict(cfg),
     }
+    if cfg.samples == 1:  # keep directories from before multi-sample regeneration resumable
+        del args["samples"], args["sample_temperature"]
+    prompts = _expand_samples(prompts, cfg.samples)
     if diff := claim_dir(out / "regen-args.json", args):
         raise DataError(
             f"{out} holds a regeneration started with different arguments:\n{diff}\n"
@@ -381,8 +414,10 @@ def regenerate(
             continue
         answered = [Prompt(p.id, p.category, list(p.turns), [], p.system) for p in chunk]
         n_turns = max(len(p.turns) for p in chunk)
-        for turn in range(n_turns):
-            todo = [p for p in answered if len(p.turns) > turn]
+        for turn, extra in itertools.product(range(n_turns), (False, True)):
+            todo = [p for p in answered if len(p.turns) > turn and (p.id != base_id(p.id)) == extra]
+            if not todo:
+                continue
             ids = [
                 prompt_ids(target.tokenizer, p.messages(turn + 1))[-cfg.max_prompt_tokens :]
                 for p in todo
@@ -393,9 +428,9 @@ def regenerate(
                 ids,
                 max_new_tokens=cfg.max_new_tokens,
                 eos_token_ids=eos,
-                temperature=cfg.temperature,
+                temperature=cfg.sample_temperature if extra else cfg.temperature,
                 top_p=cfg.top_p,
-                seed=cfg.seed + ci * 1000 + turn,
+                seed=cfg.seed + ci * 1000 + turn * 2 + extra,
                 batch_size=cfg.batch_size,
                 dtype=cfg.dtype,
                 progress=progress,
@@ -445,7 +480,8 @@ def prepare_conversations(
     progress: bool = True,
 ) -> tuple[list[Prompt], dict]:
     """Prompts with answers ready for capture: given answers are kept (teacher forcing);
-    prompts without them are answered by the target (resumable, into `regen_dir`)."""
+    prompts without them are answered by the target (resumable, into `regen_dir`), with
+    `regen.samples - 1` extra sampled answers each (ids `<id>@sample<k>`, after the others)."""
     prompts = select(load_prompt_set(spec), n)
     info = {"name": str(spec), "hash": prompt_set_hash(prompts), "num_prompts": len(prompts)}
     if all(p.complete for p in prompts):
@@ -455,4 +491,9 @@ def prepare_conversations(
     info["regen"] = regenerate(target, todo, regen_dir, regen, progress=progress)
     answered = {p.id: p for p in read_regenerated(regen_dir)}
     info["regenerated"] = True
-    return [p if p.complete else answered[p.id] for p in prompts], info
+    extra = [
+        answered[f"{p.id}{SAMPLE_SEP}{s}"]
+        for s in range(1, (regen or RegenConfig()).samples)
+        for p in todo
+    ]
+    return [p if p.complete else answered[p.id] for p in prompts] + extra, info
