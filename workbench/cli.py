@@ -33,7 +33,9 @@ def regenerate(
     n: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
     max_new_tokens: int = typer.Option(512),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
-    batch_size: int = typer.Option(32),
+    samples: int = typer.Option(1, help="answers per prompt; extra ones are sampled"),
+    sample_temperature: float = typer.Option(0.8, help="temperature of the extra answers"),
+    batch_size: int = typer.Option(64),
     dtype: str = typer.Option("bfloat16", help="compute dtype for generation"),
     seed: int = typer.Option(0),
 ) -> None:
@@ -55,6 +57,8 @@ def regenerate(
                 batch_size=batch_size,
                 dtype=dtype,
                 seed=seed,
+                samples=samples,
+                sample_temperature=sample_temperature,
             ),
         )
     except (DataError, TargetError) as e:

@@ -42,7 +42,7 @@ PROFILES = {
         inspect_new_tokens=96,
     ),
     # 2 h on 2 cores: all 1033 prompts answered twice (greedy + one sample at T=0.8), about
-    # 35 min of regeneration, 20 of capture, 50 of training, then the inspection
+    # 45 min of regeneration, 25 of capture, 40 of training, then the inspection
     "full": Profile(
         "full",
         n_samples=0,

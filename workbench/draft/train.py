@@ -113,20 +113,20 @@ PROFILES: dict[str, dict[str, Any]] = {
         time_budget_s=10 * 60,
     ),
     # the training part of the pipeline's 2-hour `full` run (regeneration and capture take
-    # the first hour): TTT-5 for the 5-step chain of the goal, ~4 passes over ~700K tokens
+    # the first 70 min): TTT-5 for the 5-step chain of the goal, ~3 passes over ~700K tokens
     "full": dict(
         ttt_len=5,
         lr=2e-3,
         batch_size=8,
         max_len=1536,
-        epochs=4,
+        epochs=3,
         warmup=0.03,
         eval_every=200,
         ckpt_every=200,
         draft_vocab_size=8192,
         init_layer=None,
         amp="bf16",
-        time_budget_s=50 * 60,
+        time_budget_s=40 * 60,
     ),
 }
 
