@@ -258,6 +258,15 @@ def test_bf16_autocast_trains(env):
     )  # fp32 master
 
 
+def test_time_budget_stop_logs_its_final_eval(env):
+    target, reader, root = env
+    cfg = base_cfg(root, "budget", max_steps=10, ttt_len=2, epochs=1, time_budget_s=0.0)
+    s = train(cfg, target, reader)
+    assert s["step"] == 1 and latest_checkpoint(cfg.out).name == "step-00000001"
+    last = json.loads(Path(cfg.out, "log.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "eval" and last["step"] == 1 and last["acc"] == s["acc"]
+
+
 def test_resume_after_kill_equals_uninterrupted(env):
     target, reader, root = env
     full = base_cfg(

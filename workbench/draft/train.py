@@ -849,8 +849,9 @@ def _train(cfg: TrainConfig, target, reader, device: torch.device, d: Dist) -> d
         val_idx
         and (not last_eval or (metrics and metrics[-1].get("event") != "eval"))
         and not stopped
-    ):
+    ):  # the run ended off the eval grid (time budget, last partial interval): log it too
         last_eval = evaluate(model, reader, val_idx, argmax, t2d, head, cfg, device, amp_ctx, d)
+        emit({"event": "eval", "step": step, **last_eval})
     return {
         "step": step,
         "total_steps": total,
