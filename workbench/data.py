@@ -430,7 +430,7 @@ def regenerate(
                 eos_token_ids=eos,
                 temperature=cfg.sample_temperature if extra else cfg.temperature,
                 top_p=cfg.top_p,
-                seed=cfg.seed + ci * 1000 + turn * 2 + extra,
+                seed=cfg.seed + ci * 1000 + turn + 500 * extra,  # first answers: as before
                 batch_size=cfg.batch_size,
                 dtype=cfg.dtype,
                 progress=progress,
