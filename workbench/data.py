@@ -412,7 +412,7 @@ def regenerate(
         if path.exists():
             bar.update(1)
             continue
-        answered = [Prompt(p.id, p.category, list(p.turns), [], p.system) for p in chunk]
+        answered = chunk  # fresh copies with no answers yet (made by _expand_samples)
         n_turns = max(len(p.turns) for p in chunk)
         for turn, extra in itertools.product(range(n_turns), (False, True)):
             todo = [p for p in answered if len(p.turns) > turn and (p.id != base_id(p.id)) == extra]
