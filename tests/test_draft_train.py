@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 from dataclasses import replace
@@ -370,3 +371,61 @@ def test_split_keeps_answers_to_one_prompt_together():
     assert not {groups[i] for i in val_idx} & {groups[i] for i in train_idx}
     # without groups the split is the plain per-sample one (old runs resume unchanged)
     assert split_indices(150, 0.1, 256, seed=0) == split_indices(150, 0.1, 256, 0, None)
+
+
+def test_subsampled_unroll_equals_full_unroll_at_the_sampled_positions():
+    """ttt_sample < 1: steps >= 1 unroll a subset of positions. Their loss, metrics and
+    gradients must equal the full unroll restricted (by mask) to the same positions."""
+    from tests.test_draft_model import tiny_draft
+    from workbench.draft.train import TTTModel, sample_positions, subsample_masks
+
+    torch.manual_seed(3)
+    d = tiny_draft(dvocab=64).double()
+    B, T, K = 3, 17, 4
+    batch = {
+        "input_ids": torch.randint(0, 256, (B, T)),
+        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
+        "loss_mask": torch.rand(B, T) < 0.8,
+        "in_vocab": torch.rand(B, T) < 0.9,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+    batch["loss_mask"][2, 12:] = False  # a short row
+    tl = torch.randn(B, T, 64, dtype=torch.float64)
+    model = TTTModel(d, K, 0.8)
+    masks = step_masks(batch, K)
+    idx = sample_positions(masks[1], 0.3)
+    assert idx.shape == (B, math.ceil(0.3 * T)) and (idx.diff(dim=1) > 0).all()
+    # valid step-1 positions are taken first
+    for b in range(B):
+        assert masks[1][b, idx[b]].sum() == min(idx.shape[1], int(masks[1][b].sum()))
+    sub = subsample_masks(masks, idx)
+    # the full unroll with steps >= 1 masked down to the sampled positions
+    restricted = [masks[0]]
+    for m in masks[1:]:
+        keep = torch.zeros_like(m)
+        for b in range(B):
+            keep[b, idx[b][idx[b] < m.shape[1]]] = True
+        restricted.append(m & keep)
+    denom = torch.stack([m.sum() for m in sub]).double()
+    assert torch.equal(denom, torch.stack([m.sum() for m in restricted]).double())
+
+    def run(masks_, idx_):
+        d.zero_grad()
+        loss, st = model(batch, tl, masks_, denom, idx=idx_)
+        loss.backward()
+        return loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}
+
+    l_full, st_full, g_full = run(restricted, None)
+    l_sub, st_sub, g_sub = run(sub, idx)
+    assert torch.allclose(l_full, l_sub, atol=1e-10)
+    assert torch.allclose(st_full, st_sub, atol=1e-9)
+    for k in g_full:
+        assert torch.allclose(g_full[k], g_sub[k], atol=1e-9), k
+
+
+def test_loss_on_all_tokens_widens_the_mask_only():
+    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    b = {"loss_mask": lm, "in_vocab": torch.ones(1, 7, dtype=torch.bool)}
+    b["token_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert step_masks(b, 1)[0].tolist() == [[False, True, True, True, False, False]]
+    assert step_masks(b, 1, all_tokens=True)[0].tolist() == [[True, True, True, True, False, False]]

@@ -213,6 +213,7 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         attn_mask: torch.Tensor | None = None,
         ttt: list | None = None,
+        ttt_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
@@ -221,7 +222,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ttt is not None and len(ttt) > 0:
             ttt.append((k, v))
-            out = ttt_attention(q, ttt)
+            out = ttt_attention(q, ttt, ttt_pos)
         else:
             if ttt is not None:
                 ttt.append((k, v))
@@ -246,27 +247,38 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
-def ttt_attention(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    qpos: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Step-i attention: causal over step-0 keys + diagonal over steps 1..i keys.
 
-    q [B, nh, T, hd]; kv[j] = (k_j, v_j) [B, nkv, T, hd], kv[-1] is this step's own.
-    GQA is handled by viewing q as [B, nkv, g, T, hd] (no K/V repeat copies).
+    q [B, nh, Q, hd]; kv[0] = step-0 (k, v) [B, nkv, T, hd]; kv[j>0] [B, nkv, Q, hd], kv[-1]
+    is this step's own. Without `qpos`, Q = T and query t is position t. With `qpos` [B, Q],
+    the queries are the unrolls of positions qpos only (subsampled TTT): each still sees the
+    step-0 keys <= its position and its own chain, so the result equals the full unroll's
+    rows at those positions. GQA: q is viewed as [B, nkv, g, Q, hd] (no K/V repeat copies).
     """
-    B, nh, T, hd = q.shape
-    nkv = kv[0][0].shape[1]
-    g = nh // nkv
-    qg = q.view(B, nkv, g, T, hd)
-    scale = 1.0 / math.sqrt(hd)
+    B, nh, Q, hd = q.shape
     k0, v0 = kv[0]
-    s0 = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # [B, nkv, g, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    nkv, T = k0.shape[1], k0.shape[2]
+    g = nh // nkv
+    qg = q.view(B, nkv, g, Q, hd)
+    scale = 1.0 / math.sqrt(hd)
+    s0 = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # [B, nkv, g, Q, T]
+    if qpos is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    else:
+        keys = torch.arange(T, device=q.device)
+        causal = (keys[None, None, :] <= qpos[:, :, None])[:, None, None]  # [B, 1, 1, Q, T]
     s0 = s0.masked_fill(~causal, float("-inf"))
     diag = [(qg * kj[:, :, None]).sum(-1, keepdim=True) * scale for kj, _ in kv[1:]]
-    p = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nkv, g, T, T+i]
+    p = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nkv, g, Q, T+i]
     out = torch.matmul(p[..., :T], v0[:, :, None])
     for j, (_, vj) in enumerate(kv[1:]):
         out = out + p[..., T + j : T + j + 1] * vj[:, :, None]
-    return out.view(B, nh, T, hd)
+    return out.view(B, nh, Q, hd)
 
 
 class MLP(nn.Module):
@@ -295,9 +307,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(H, eps)
 
-    def forward(self, emb, h, cos, sin, cache=None, attn_mask=None, ttt=None) -> torch.Tensor:
+    def forward(
+        self, emb, h, cos, sin, cache=None, attn_mask=None, ttt=None, ttt_pos=None
+    ) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
-        h = h + self.self_attn(x, cos, sin, cache=cache, attn_mask=attn_mask, ttt=ttt)
+        h = h + self.self_attn(
+            x, cos, sin, cache=cache, attn_mask=attn_mask, ttt=ttt, ttt_pos=ttt_pos
+        )
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -390,12 +406,14 @@ class Eagle3Draft(nn.Module):
         attn_mask: torch.Tensor | None = None,
         ttt: list | None = None,
         logits: bool = True,
+        ttt_pos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One draft step.
 
         input_ids [B, T] (the *next* tokens), hidden [B, T, k*H_t or H], position_ids [B, T].
         `cache` + `attn_mask` (bool [T, S] or [B, T, S] or [B, 1, T, S], True = attend,
-        S = past + T) is the inference path; `ttt` (a list, appended to) the training path.
+        S = past + T) is the inference path; `ttt` (a list, appended to) the training path,
+        with `ttt_pos` [B, Q] when only the unrolls of those positions are computed.
         Returns (draft-vocab logits or None, pre-norm hidden for the next step).
         """
         if position_ids.dim() == 1:
@@ -403,7 +421,9 @@ class Eagle3Draft(nn.Module):
         h = self.project(hidden)
         emb = self.embed(input_ids).to(h.dtype)
         cos, sin = self.rope(position_ids, h.dtype)
-        h = self.midlayer(emb, h, cos, sin, cache=cache, attn_mask=attn_mask, ttt=ttt)
+        h = self.midlayer(
+            emb, h, cos, sin, cache=cache, attn_mask=attn_mask, ttt=ttt, ttt_pos=ttt_pos
+        )
         out = self.lm_head(self.norm(h)) if logits else None
         return out, h
 

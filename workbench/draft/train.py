@@ -80,6 +80,8 @@ class TrainConfig:
     init_from_target: bool = True  # norm + lm_head rows from the target
     init_layer: int | None = None  # also start the decoder layer from this target layer
     embed_half_scale: float = 0.0
+    ttt_sample: float = 1.0  # fraction of positions unrolled past step 0 (1 = all)
+    loss_on: str = "assistant"  # assistant | all (also learn the target's view of user turns)
     amp: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | off
     device: str = "auto"
     threads: int | None = None
@@ -361,6 +363,7 @@ def collate(
     H = samples[0]["last_hidden"].shape[-1]
     ids = torch.zeros(B, T, dtype=torch.long)
     lmask = torch.zeros(B, T, dtype=torch.bool)
+    tmask = torch.zeros(B, T, dtype=torch.bool)
     inv = torch.zeros(B, T, dtype=torch.bool)
     aux = torch.zeros(B, T, k_h)
     last = torch.zeros(B, T, H)
@@ -368,12 +371,14 @@ def collate(
         n = min(T, s["input_ids"].numel())
         ids[b, :n] = s["input_ids"][:n]
         lmask[b, :n] = s["loss_mask"][:n].bool()
+        tmask[b, :n] = True
         inv[b, :n] = t2d[argmax[i][:n].long()]
         aux[b, :n] = s["aux_hidden"][:n].float()
         last[b, :n] = s["last_hidden"][:n].float()
     out = {
         "input_ids": ids,
         "loss_mask": lmask,
+        "token_mask": tmask,
         "in_vocab": inv,
         "aux_hidden": aux,
         "last_hidden": last,
@@ -381,9 +386,16 @@ def collate(
     return {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
 
-def step_masks(batch: dict[str, torch.Tensor], ttt_len: int) -> list[torch.Tensor]:
-    """m_i[b, t] for t < T - 1 - i: tok[t+2+i] is assistant and argmax(t+1+i) in draft vocab."""
-    lm, inv = batch["loss_mask"], batch["in_vocab"]
+def step_masks(
+    batch: dict[str, torch.Tensor], ttt_len: int, all_tokens: bool = False
+) -> list[torch.Tensor]:
+    """m_i[b, t] for t < T - 1 - i: tok[t+2+i] is assistant and argmax(t+1+i) in draft vocab.
+
+    `all_tokens` drops the assistant condition (any real token): the target's distribution
+    over user turns is free extra signal, since those positions are computed anyway.
+    """
+    lm = batch["token_mask"] if all_tokens else batch["loss_mask"]
+    inv = batch["in_vocab"]
     T = lm.shape[1]
     out = []
     for i in range(ttt_len):
@@ -413,14 +425,20 @@ class TTTModel(nn.Module):
         masks: list[torch.Tensor],
         denom: torch.Tensor,
         scale: float = 1.0,
+        idx: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (loss, stats [ttt_len, 5]: ce_sum, correct, count, cond_correct, cond_count)."""
+        """Returns (loss, stats [ttt_len, 5]: ce_sum, correct, count, cond_correct, cond_count).
+
+        With `idx` [B, Q] (see `sample_positions`), steps >= 1 unroll only those positions
+        and `masks[i>=1]` are [B, Q] (from `subsample_masks`); step 0 always runs on all.
+        """
         d = self.draft
         ids = batch["input_ids"]
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)[None].expand(B, T)
         tprob = tlogits.float().softmax(-1)
         targ = tlogits.argmax(-1)
+        ids_ext = F.pad(ids, (0, self.ttt_len + 1))
         h = batch["aux_hidden"]
         kv: list = []
         loss = torch.zeros((), device=ids.device)
@@ -431,18 +449,31 @@ class TTTModel(nn.Module):
             L = T - s
             if L <= 0:
                 break
-            in_ids = F.pad(ids[:, s:], (0, s))
-            _, h = d(in_ids, h, pos + i, ttt=kv, logits=False)
             m = masks[i]
-            hs = h[:, :L][m]
+            if idx is None or i == 0:
+                in_ids = F.pad(ids[:, s:], (0, s))
+                _, h = d(in_ids, h, pos + i, ttt=kv, logits=False)
+                hs = h[:, :L][m]
+                p = tprob[:, s:][m]
+                tg = targ[:, s:][m]
+                ok = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
+            else:
+                if i == 1:
+                    h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
+                    prefix = prefix.gather(1, idx)
+                _, h = d(ids_ext.gather(1, idx + s), h, idx + i, ttt=kv, ttt_pos=idx, logits=False)
+                hs = h[m]
+                rows, cols = m.nonzero(as_tuple=True)
+                p = tprob[rows, idx[rows, cols] + s]
+                tg = targ[rows, idx[rows, cols] + s]
+                ok = torch.zeros_like(m)
             logp = d.lm_head(d.norm(hs)).float().log_softmax(-1)
-            p = tprob[:, s:][m]
             ce = -(p * logp).sum(-1)
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
-                ok = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
-                ok[m] = logp.argmax(-1) == targ[:, s:][m]
-                cand = prefix[:, :L] & m
+                ok[m] = logp.argmax(-1) == tg
+                n = ok.shape[1]
+                cand = prefix[:, :n] & m
                 stats[i] = torch.stack(
                     [
                         ce.sum().detach(),
@@ -453,9 +484,32 @@ class TTTModel(nn.Module):
                     ]
                 )
                 prefix = prefix.clone()
-                prefix[:, :L] &= ok
-                prefix[:, L:] = False
+                prefix[:, :n] &= ok
+                prefix[:, n:] = False
         return loss, stats
+
+
+def sample_positions(first: torch.Tensor, frac: float) -> torch.Tensor:
+    """Positions [B, Q] whose unroll continues past step 0, Q = ceil(frac * T).
+
+    `first` is step 1's mask [B, L]. Valid positions are taken first, at random (the global
+    torch RNG, so a resumed run draws the same); rows with fewer fill up with masked ones.
+    Steps >= 1 then cost ~frac of a full step: the unroll is what makes TTT expensive, and
+    step 0 (the acceptance that matters most) still trains on every position.
+    """
+    B, L = first.shape
+    q = max(1, min(L, math.ceil(frac * (L + 2))))
+    score = torch.rand(B, L, device=first.device) + first.float()
+    return score.topk(q, dim=1).indices.sort(dim=1).values
+
+
+def subsample_masks(masks: list[torch.Tensor], idx: torch.Tensor) -> list[torch.Tensor]:
+    """masks[i >= 1] at the sampled positions: [B, Q] each (False past a step's length)."""
+    out = [masks[0]]
+    for m in masks[1:]:
+        ext = F.pad(m, (0, int(idx.max()) + 1 - m.shape[1])) if m.shape[1] <= idx.max() else m
+        out.append(ext.gather(1, idx))
+    return out
 
 
 def summarize(stats: torch.Tensor) -> dict[str, Any]:
@@ -621,6 +675,13 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
 
 def _train(cfg: TrainConfig, target, reader, device: torch.device, d: Dist) -> dict[str, Any]:
     from workbench.progress import progress as tqdm
+
+    if not 0 < cfg.ttt_sample <= 1:
+        raise TrainError(
+            f"ttt_sample must be in (0, 1] (a fraction of positions), got {cfg.ttt_sample}"
+        )
+    if cfg.loss_on not in ("assistant", "all"):
+        raise TrainError(f"loss_on must be 'assistant' or 'all', got {cfg.loss_on!r}")
 
     out = Path(cfg.out)
     if d.main:
@@ -789,12 +850,16 @@ def _train(cfg: TrainConfig, target, reader, device: torch.device, d: Dist) -> d
             )
         gb = batches[bi]
         batch = collate(reader, gb[d.rank :: d.world], argmax, t2d, cfg.max_len, device)
-        masks = step_masks(batch, cfg.ttt_len)
+        masks = step_masks(batch, cfg.ttt_len, all_tokens=cfg.loss_on == "all")
+        idx = None
+        if cfg.ttt_sample < 1 and cfg.ttt_len > 1 and masks[1].shape[1] > 0:
+            idx = sample_positions(masks[1], cfg.ttt_sample)
+            masks = subsample_masks(masks, idx)
         ntok = torch.tensor([_ntok(gb, lengths, cfg.max_len, d)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
         tl = head.draft_logits(batch["last_hidden"])
         with amp_ctx():
-            loss, st = ddp(batch, tl, masks, counts[:-1], float(d.world))
+            loss, st = ddp(batch, tl, masks, counts[:-1], float(d.world), idx)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -895,9 +960,12 @@ def _check_resume(state: dict, cfg: TrainConfig, chash: str, target: Any) -> Non
         "warmup",
         "min_lr_ratio",
         "loss_decay",
+        "ttt_sample",
+        "loss_on",
     ):
-        if old.get(k) != getattr(cfg, k):
-            problems.append(f"{k}: checkpoint {old.get(k)!r}, now {getattr(cfg, k)!r}")
+        was = old.get(k, getattr(TrainConfig, k))  # keys added later: the old default
+        if was != getattr(cfg, k):
+            problems.append(f"{k}: checkpoint {was!r}, now {getattr(cfg, k)!r}")
     if problems:
         raise TrainError(
             "cannot resume: the run differs from the checkpoint:\n  " + "\n  ".join(problems)
