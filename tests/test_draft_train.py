@@ -181,6 +181,18 @@ def test_summarize_conditional_acceptance_and_tau():
     assert abs(s["tau"] - (1 + 0.8 + 0.4 + 0.1)) < 1e-9
 
 
+def test_summarize_counts_out_of_vocab_targets_as_misses():
+    # step 0: 8 of 10 in-vocab right; 12 positions in all (2 targets outside the draft vocab)
+    st = torch.tensor(
+        [[0, 8, 10, 8, 10, 8, 12, 8, 12], [0, 4, 10, 4, 8, 4, 12, 4, 8]], dtype=torch.float
+    )
+    s = summarize(st)
+    assert s["acc"] == [0.8, 0.4] and s["acc_all"] == [8 / 12, 4 / 12]
+    assert s["a_all"] == [8 / 12, 0.5] and abs(s["tau_all"] - (1 + 8 / 12 + 4 / 12)) < 1e-9
+    assert abs(s["in_vocab"] - 10 / 12) < 1e-9
+    assert "acc_all" not in summarize(st[:, :5])  # training stats: in-vocab figures only
+
+
 def test_guard_rails(env, tmp_path):
     target, reader, root = env
     assert check_capture(reader, target) == IDS
@@ -230,6 +242,10 @@ def test_train_smoke_metrics_checkpoint(env):
     cfg = base_cfg(root, "smoke", max_steps=10, ttt_len=3, lr=1e-2, epochs=1)
     s = train(cfg, target, reader)
     assert s["step"] == 10 and len(s["acc"]) == 3 and s["tau"] >= 1.0 and s["tok_s"] > 0
+    # out-of-draft-vocab targets counted as misses: never better than the in-vocab figures
+    assert 0 < s["in_vocab"] < 1  # 128 of 256 ids: some targets are outside
+    assert all(x <= y + 1e-9 for x, y in zip(s["acc_all"], s["acc"], strict=True))
+    assert 1.0 <= s["tau_all"] <= s["tau"]
     out = Path(cfg.out)
     recs = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
     kinds = [r["event"] for r in recs]
@@ -359,6 +375,32 @@ def test_profiles_and_cli_args():
     )
     with pytest.raises(ValueError):
         profile("nope")
+    cfg = config_from_args(["--capture", "c", "--ttt-sample", "0.5", "--loss-on", "all"])
+    assert (cfg.ttt_sample, cfg.loss_on) == (0.5, "all")
+
+
+def test_bad_ttt_sample_and_loss_on_are_refused(env):
+    target, reader, root = env
+    with pytest.raises(TrainError, match="ttt_sample"):
+        train(base_cfg(root, "bad1", ttt_sample=0.0, max_steps=1), target, reader)
+    with pytest.raises(TrainError, match="loss_on"):
+        train(base_cfg(root, "bad2", loss_on="users", max_steps=1), target, reader)
+
+
+def test_sampled_unroll_trains_and_resumes_exactly(env):
+    """ttt_sample draws positions from the global RNG, which checkpoints carry: a killed and
+    resumed run ends with the same weights as an uninterrupted one."""
+    target, reader, root = env
+    kw = dict(max_steps=8, ttt_len=3, ttt_sample=0.5, loss_on="all", ckpt_every=3, lr=1e-2)
+    a = train(base_cfg(root, "samp_full", **kw), target, reader)
+    cfg = base_cfg(root, "samp_kill", **kw)
+    train(replace(cfg, stop_after=5), target, reader)  # killed after step 5 (ckpt at 3)
+    b = train(replace(cfg, resume=True), target, reader)
+    assert a["step"] == b["step"] == 8 and len(a["acc"]) == 3
+    wa, wb = load_draft(a["out"]).state_dict(), load_draft(b["out"]).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(TrainError, match="ttt_sample: checkpoint 0.5, now 1.0"):
+        train(replace(cfg, resume=True, ttt_sample=1.0), target, reader)
 
 
 def test_split_keeps_answers_to_one_prompt_together():
