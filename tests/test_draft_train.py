@@ -349,7 +349,8 @@ def test_two_gloo_processes_match_single_process(env):
 
 def test_profiles_and_cli_args():
     q, f = profile("quick"), profile("full", lr=1e-4)
-    assert q.ttt_len == 3 and f.ttt_len == 5 and f.lr == 1e-4 and q.time_budget_s <= 15 * 60
+    assert q.ttt_len == 5 and f.ttt_len == 5 and f.lr == 1e-4 and q.time_budget_s <= 15 * 60
+    assert q.ttt_sample == f.ttt_sample == 0.25 and q.loss_on == f.loss_on == "all"
     cfg = config_from_args(
         [
             "--capture",
