@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## The main job: the whole pipeline on the embedded default (quick profile, ~25 min on 2 cores).
+## The main job: the whole pipeline on the embedded default (quick profile, ~21 min on 2 cores).
 demo: $(STAMP)
 	$(BIN)/workbench pipeline --profile $(PROFILE)
 

@@ -9,6 +9,8 @@ the target's full-vocab argmax at t+1+i lies in the draft vocab (computed once p
 
 Loss: sum_i 0.8^i * soft-CE_i, each step normalized by its token count over the *global*
 batch (counts are all-reduced), so N DDP ranks give the same gradient as one process.
+`ttt_sample < 1` unrolls steps >= 1 for a random subset of positions only (each sampled chain
+is exactly the full unroll there): the unroll, not step 0, is what makes TTT costly.
 
 Run: `python -m workbench.draft.train --capture DIR --out DIR` or under
 `torchrun --nproc-per-node N -m workbench.draft.train ...` (NCCL on GPU, gloo on CPU).
