@@ -489,35 +489,25 @@ class TTTModel(nn.Module):
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
                 ok[m] = logp.argmax(-1) == tg
-                n = ok.shape[1]
-                cand = prefix[:, :n] & m
-                stats[i, :5] = torch.stack(
-                    [
-                        ce.sum().detach(),
-                        ok.sum().float(),
-                        m.sum().float(),
-                        (cand & ok).sum().float(),
-                        cand.sum().float(),
-                    ]
-                )
-                prefix = prefix.clone()
-                prefix[:, :n] &= ok
-                prefix[:, n:] = False
+                stats[i, 0] = ce.sum().detach()
+                stats[i, 1:5], prefix = _step_counts(ok, m, prefix)
                 if masks_all is not None:
-                    ma = masks_all[i]
-                    cand_all = prefix_all[:, :n] & ma
-                    stats[i, 5:] = torch.stack(
-                        [
-                            (ok & ma).sum().float(),
-                            ma.sum().float(),
-                            (cand_all & ok).sum().float(),
-                            cand_all.sum().float(),
-                        ]
-                    )
-                    prefix_all = prefix_all.clone()
-                    prefix_all[:, :n] &= ok
-                    prefix_all[:, n:] = False
+                    stats[i, 5:], prefix_all = _step_counts(ok, masks_all[i], prefix_all)
         return loss, stats
+
+
+def _step_counts(
+    ok: torch.Tensor, m: torch.Tensor, prefix: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct, count, cond_correct, cond_count) of one step over mask m, and the new prefix
+    (positions whose chain is all correct so far; a masked-out position counts as a miss)."""
+    n = ok.shape[1]
+    cand = prefix[:, :n] & m
+    counts = torch.stack([(ok & m).sum(), m.sum(), (cand & ok).sum(), cand.sum()]).float()
+    prefix = prefix.clone()
+    prefix[:, :n] &= ok
+    prefix[:, n:] = False
+    return counts, prefix
 
 
 def sample_positions(first: torch.Tensor, frac: float) -> torch.Tensor:
