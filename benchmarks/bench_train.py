@@ -14,7 +14,7 @@ import time
 import torch
 
 from workbench.draft.model import DraftConfig, Eagle3Draft
-from workbench.draft.train import TTTModel, sample_positions, step_masks, subsample_masks
+from workbench.draft.train import TTTModel, unroll_masks
 from workbench.layers import LayerIds
 
 
@@ -79,10 +79,7 @@ def main() -> None:
     )
 
     def masks_for(n: int, frac: float):
-        masks, idx = step_masks(batch, n), None
-        if frac < 1 and n > 1:
-            idx = sample_positions(masks[1], frac)
-            masks = subsample_masks(masks, idx)
+        masks, idx = unroll_masks(batch, n, frac)
         return masks, idx, torch.stack([m.sum() for m in masks]).float()
 
     def fwd_bwd(n: int, frac: float = 1.0):

@@ -454,7 +454,7 @@ class TTTModel(nn.Module):
         pos = torch.arange(T, device=ids.device)[None].expand(B, T)
         tprob = tlogits.float().softmax(-1)
         targ = tlogits.argmax(-1)
-        ids_ext = F.pad(ids, (0, self.ttt_len + 1))
+        ids_ext = F.pad(ids, (0, self.ttt_len + 1)) if idx is not None else None
         h = batch["aux_hidden"]
         kv: list = []
         loss = torch.zeros((), device=ids.device)
@@ -526,11 +526,21 @@ def sample_positions(first: torch.Tensor, frac: float) -> torch.Tensor:
 
 def subsample_masks(masks: list[torch.Tensor], idx: torch.Tensor) -> list[torch.Tensor]:
     """masks[i >= 1] at the sampled positions: [B, Q] each (False past a step's length)."""
-    out = [masks[0]]
-    for m in masks[1:]:
-        ext = F.pad(m, (0, int(idx.max()) + 1 - m.shape[1])) if m.shape[1] <= idx.max() else m
-        out.append(ext.gather(1, idx))
-    return out
+    width = int(idx.max()) + 1
+    return [masks[0]] + [
+        F.pad(m, (0, max(0, width - m.shape[1]))).gather(1, idx) for m in masks[1:]
+    ]
+
+
+def unroll_masks(
+    batch: dict[str, torch.Tensor], ttt_len: int, ttt_sample: float = 1.0, all_tokens: bool = False
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """A training batch's step masks and sampled positions (None: every position unrolled)."""
+    masks = step_masks(batch, ttt_len, all_tokens=all_tokens)
+    if ttt_sample >= 1 or ttt_len < 2 or masks[1].shape[1] == 0:
+        return masks, None
+    idx = sample_positions(masks[1], ttt_sample)
+    return subsample_masks(masks, idx), idx
 
 
 def _tau(a: list[float]) -> list[float]:
@@ -896,11 +906,7 @@ def _train(cfg: TrainConfig, target, reader, device: torch.device, d: Dist) -> d
             )
         gb = batches[bi]
         batch = collate(reader, gb[d.rank :: d.world], argmax, t2d, cfg.max_len, device)
-        masks = step_masks(batch, cfg.ttt_len, all_tokens=cfg.loss_on == "all")
-        idx = None
-        if cfg.ttt_sample < 1 and cfg.ttt_len > 1 and masks[1].shape[1] > 0:
-            idx = sample_positions(masks[1], cfg.ttt_sample)
-            masks = subsample_masks(masks, idx)
+        masks, idx = unroll_masks(batch, cfg.ttt_len, cfg.ttt_sample, cfg.loss_on == "all")
         ntok = torch.tensor([_ntok(gb, lengths, cfg.max_len, d)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
         tl = head.draft_logits(batch["last_hidden"])
