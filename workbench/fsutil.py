@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from workbench.errors import DiskFullError, InUseError
+
+LOCK_FILE = ".workbench.lock"
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -21,6 +29,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"disk full while writing {path}: free space and rerun") from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -61,3 +74,29 @@ def claim_dir(args_file: str | os.PathLike, args: dict) -> str | None:
         return None
     diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     return "\n".join(f"  {k}: was {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
+
+
+@contextlib.contextmanager
+def locked_dir(directory: str | os.PathLike, what: str = "run folder") -> Iterator[Path]:
+    """Hold an exclusive `fcntl` lock on `directory/.workbench.lock` for the block.
+
+    A second writer (another process, or this one twice) gets `InUseError` naming the pid
+    that holds it. The kernel drops the lock when the holder dies, so a kill -9 never leaves
+    a stale lock behind; the file itself stays (harmless)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            raise InUseError(
+                f"{what} {d} is in use by pid {holder}; wait for it to finish or stop it"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield d
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -1,0 +1,147 @@
+"""Every accept-length figure, named once.
+
+Two conventions exist and are never mixed:
+- `tau`: decode tokens per target verify forward. The prefill's token is not counted; the
+  bonus token is. Plain decoding gives exactly 1.0.
+- `tau_sglang`: what SGLang reports as `spec_accept_length`: completion tokens /
+  `spec_verify_ct`, so the prefill's token is counted (tau_sglang > tau on short outputs).
+
+Pooled figures are Σ tokens / Σ verify forwards over requests; a mean of per-request τ is a
+different number and is named `mean_request_tau`. Per-position acceptance a_i is conditional:
+P(draft token i accepted | tokens < i accepted). Simulated τ = 1 + Σ_k Π_{j≤k} a_j includes
+the bonus token; SpecForge's `simulated_acc_len` omits the 1.
+
+SGLang's identities (PR #33518), checked on every run by `sglang_identity_problems`:
+accept length = completion_tokens / spec_verify_ct; Σ spec_correct_drafts_histogram =
+spec_verify_ct; Σ i·h[i] = spec_num_correct_drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def tau(decode_tokens: int, verify_forwards: int) -> float:
+    """Decode tokens per verify forward (prefill token excluded, bonus included)."""
+    return decode_tokens / verify_forwards if verify_forwards else 0.0
+
+
+def tau_sglang(completion_tokens: int, verify_ct: int) -> float:
+    """SGLang's `spec_accept_length`: completion tokens (prefill's counted) / verify count."""
+    return completion_tokens / verify_ct if verify_ct else 0.0
+
+
+def pooled_tau(accepted: Sequence[Sequence[int]]) -> float:
+    """Pooled τ over requests, each a list of per-cycle emitted counts (bonus included)."""
+    return tau(sum(sum(a) for a in accepted), sum(len(a) for a in accepted))
+
+
+def pooled_tau_sglang(completion_tokens: Sequence[int], verify_cts: Sequence[int]) -> float:
+    """Pooled SGLang accept length: Σ completion tokens / Σ verify counts."""
+    return tau_sglang(sum(completion_tokens), sum(verify_cts))
+
+
+def mean_request_tau(accepted: Sequence[Sequence[int]]) -> float:
+    """Mean of per-request τ (NOT the pooled τ; requests with no cycle are left out)."""
+    taus = [tau(sum(a), len(a)) for a in accepted if len(a)]
+    return sum(taus) / len(taus) if taus else 0.0
+
+
+def acceptance_counts(
+    accepted: Sequence[Sequence[int]], num_steps: int, drop_last: bool = True
+) -> tuple[list[int], list[int]]:
+    """(reached_i, accepted_i) per draft position i from per-cycle emitted counts.
+
+    A cycle that emitted a tokens accepted a-1 draft tokens. Each request's last cycle is left
+    out by default: it may be cut at eos / max_new_tokens (censored)."""
+    reached, acc = [0] * num_steps, [0] * num_steps
+    for req in accepted:
+        for a in req[:-1] if drop_last else req:
+            m = min(a - 1, num_steps)
+            for i in range(min(m + 1, num_steps)):
+                reached[i] += 1
+                acc[i] += i < m
+    return reached, acc
+
+
+def conditional_acceptance(reached: Sequence[float], acc: Sequence[float]) -> list[float]:
+    """a_i = accepted_i / reached_i; 0 where position i was never reached."""
+    return [a / n if n else 0.0 for a, n in zip(acc, reached, strict=True)]
+
+
+def per_position_acceptance(accepted: Sequence[Sequence[int]], num_steps: int) -> list[float]:
+    """a_i = P(draft token i accepted | tokens < i accepted), from per-cycle counts."""
+    return conditional_acceptance(*acceptance_counts(accepted, num_steps))
+
+
+def acceptance_from_histogram(hist: Sequence[int]) -> list[float]:
+    """Per-position acceptance from SGLang's `spec_correct_drafts_histogram`.
+
+    h[i] = number of verify cycles that accepted exactly i draft tokens. Position i was
+    reached by cycles with ≥ i accepted and accepted by those with ≥ i+1."""
+    n = len(hist) - 1
+    at_least = [sum(hist[i:]) for i in range(len(hist))]
+    return [at_least[i + 1] / at_least[i] if at_least[i] else 0.0 for i in range(n)]
+
+
+def simulated_tau_curve(a: Sequence[float]) -> list[float]:
+    """Simulated τ of a chain cut after each position k: 1 + Σ_{k'≤k} Π_{j≤k'} a_j."""
+    out, t, prod = [], 1.0, 1.0
+    for ai in a:
+        prod *= ai
+        t += prod
+        out.append(t)
+    return out
+
+
+def simulated_tau(a: Sequence[float]) -> float:
+    """1 + Σ_k Π_{j≤k} a_j: expected tokens per verify forward of a chain (bonus included)."""
+    curve = simulated_tau_curve(a)
+    return curve[-1] if curve else 1.0
+
+
+def simulated_acc_len(a: Sequence[float]) -> float:
+    """SpecForge's `simulated_acc_len`: Σ_k Π_{j≤k} a_j (no bonus token)."""
+    return simulated_tau(a) - 1.0
+
+
+def speedup(tok_s_spec: float, tok_s_plain: float) -> float:
+    """Tokens/s with speculation ÷ tokens/s without (same model, prompts, machine, one run).
+
+    Reported as measured, below 1 included: never clamped."""
+    if tok_s_plain <= 0:
+        raise ValueError("speedup needs a positive plain-decoding throughput")
+    return tok_s_spec / tok_s_plain
+
+
+def histogram_from_accepted(accepted: Sequence[int], num_draft: int) -> list[int]:
+    """SGLang-style histogram of accepted draft tokens per cycle (emitted count - 1)."""
+    h = [0] * (num_draft + 1)
+    for a in accepted:
+        h[min(max(a - 1, 0), num_draft)] += 1
+    return h
+
+
+def sglang_identity_problems(meta: Mapping[str, Any], tol: float = 1e-3) -> list[str]:
+    """Check one request's `meta_info` against SGLang's identities; [] when they hold.
+
+    Fields absent (plain serving) are not checked."""
+    out: list[str] = []
+    comp, vct = meta.get("completion_tokens"), meta.get("spec_verify_ct")
+    if comp is None or not vct:
+        return out
+    length = meta.get("spec_accept_length")
+    if length is not None and abs(length - comp / vct) > tol:
+        out.append(
+            f"spec_accept_length {length} != completion_tokens/spec_verify_ct = {comp}/{vct}"
+        )
+    hist = meta.get("spec_correct_drafts_histogram")
+    if hist is not None:
+        if sum(hist) != vct:
+            out.append(f"sum(spec_correct_drafts_histogram) = {sum(hist)} != spec_verify_ct {vct}")
+        correct = meta.get("spec_num_correct_drafts")
+        weighted = sum(i * h for i, h in enumerate(hist))
+        if correct is not None and weighted != correct:
+            out.append(f"sum(i*h[i]) = {weighted} != spec_num_correct_drafts {correct}")
+    return out
