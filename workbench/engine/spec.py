@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -264,8 +264,11 @@ class SpecDecoder:
         max_new_tokens: int,
         eos_ids: Sequence[int] = (),
         request_id: str = "0",
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> Generation:
-        """New tokens (stopping at eos inclusive or max_new_tokens) + per-request stats."""
+        """New tokens (stopping at eos inclusive or max_new_tokens) + per-request stats.
+
+        `on_tokens` gets each batch of new tokens as it is committed (streaming servers)."""
         if not prompt:
             raise ValueError("empty prompt")
         t0 = time.perf_counter()
@@ -280,6 +283,8 @@ class SpecDecoder:
         res = self.llm(torch.tensor([prompt]), cache, hidden_layers=self.aux_ids if spec else (),
                        logits="last")  # fmt: skip
         out.append(self._pick(res.logits[0]))
+        if on_tokens is not None:
+            on_tokens(out[-1:])
         if spec:
             pend_ids, pend_aux = prompt[1:] + out, self._aux(res)[0]
             dcache, pend_pos = DraftCache(), 0
@@ -298,6 +303,8 @@ class SpecDecoder:
                     new = new[: i + 1]
                     break
             out.extend(new)
+            if on_tokens is not None:
+                on_tokens(new)
             st.accepted.append(len(new))
             pend_ids = new
             if rec is not None:
