@@ -42,6 +42,20 @@ def pooled_tau_sglang(completion_tokens: Sequence[int], verify_cts: Sequence[int
     return tau_sglang(sum(completion_tokens), sum(verify_cts))
 
 
+def bootstrap_pooled_tau(tokens: Any, verifies: Any, n_boot: int, seed: int) -> Any:
+    """Pooled τ per bootstrap resample of requests, paired across rows.
+
+    tokens / verifies: arrays [W, P] (W settings, e.g. wirings, x P requests) of decode tokens
+    and verify forwards; returns [W, n_boot]. Every row uses the same resampled requests, so
+    differences between rows are paired."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens, verifies = np.asarray(tokens, dtype=float), np.asarray(verifies, dtype=float)
+    idx = rng.integers(0, tokens.shape[1], size=(n_boot, tokens.shape[1]))
+    return tokens[:, idx].sum(-1) / np.maximum(verifies[:, idx].sum(-1), 1)
+
+
 def mean_request_tau(accepted: Sequence[Sequence[int]]) -> float:
     """Mean of per-request τ (NOT the pooled τ; requests with no cycle are left out)."""
     taus = [tau(sum(a), len(a)) for a in accepted if len(a)]
@@ -99,6 +113,41 @@ def simulated_tau(a: Sequence[float]) -> float:
     """1 + Σ_k Π_{j≤k} a_j: expected tokens per verify forward of a chain (bonus included)."""
     curve = simulated_tau_curve(a)
     return curve[-1] if curve else 1.0
+
+
+def tree_depth_widths(num_steps: int, topk: int, num_draft_tokens: int) -> list[int]:
+    """Approximate candidates per depth of an EAGLE tree of `num_draft_tokens - 1` nodes.
+
+    The best-scoring nodes are kept; cumulative draft probability falls with depth, so the
+    main line (one node per depth, up to `num_steps` deep) comes first and the spare nodes
+    widen the shallowest depths to `topk` candidates each. A chain (topk 1) gives all 1s."""
+    depth = max(0, min(num_steps, num_draft_tokens - 1))
+    widths, spare = [1] * depth, num_draft_tokens - 1 - depth
+    for i in range(depth):
+        extra = min(topk - 1, spare)
+        widths[i] += extra
+        spare -= extra
+    return widths
+
+
+def simulated_tree_tau(
+    a: Sequence[float], num_steps: int, topk: int, num_draft_tokens: int, gamma: float = 1.0
+) -> float:
+    """Approximate τ of a top-k tree from chain per-position acceptance a_i (bonus included).
+
+    Depth i holds m_i candidates (`tree_depth_widths`); it is accepted with probability
+    1 - (1 - a_i)^(1 + gamma (m_i - 1)). gamma = 1 treats siblings as independent tries (an
+    upper bound: siblings are the draft's 2nd, 3rd... guesses, worse than the first);
+    gamma < 1 discounts them and is fitted on measured tree configs. A chain gives
+    `simulated_tau(a[:num_steps])` exactly. Positions past len(a) are taken as a[-1]."""
+    widths = tree_depth_widths(num_steps, topk, num_draft_tokens)
+    if not a:
+        return 1.0
+    out = []
+    for i, m in enumerate(widths):
+        ai = min(max(float(a[min(i, len(a) - 1)]), 0.0), 1.0)
+        out.append(1.0 - (1.0 - ai) ** (1.0 + gamma * (m - 1)))
+    return simulated_tau(out)
 
 
 def simulated_acc_len(a: Sequence[float]) -> float:

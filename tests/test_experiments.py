@@ -1,0 +1,309 @@
+"""Experiments: the resumable sweep runner (interrupt, SIGKILL, failures, timeouts), SGLang's
+validity rules on grids, the step-count cost model, the local engine backend, the all-reduce
+microbenchmark under a real `torchrun` with gloo, and the NCCL settings matrix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from workbench import metrics
+from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
+from workbench.errors import InUseError
+from workbench.experiments.local import LocalBackend
+from workbench.experiments.steps import (
+    evaluate,
+    fit_cost_model,
+    pick_calibration,
+    result_line,
+    spearman,
+    step_sweep,
+)
+from workbench.experiments.sweep import (
+    RESULTS,
+    RunFailed,
+    config_key,
+    read_results,
+    run_command,
+    run_sweep,
+    step_grid,
+)
+from workbench.fsutil import locked_dir
+from workbench.layers import LayerIds
+from workbench.llama import Llama
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- grid and keys
+
+
+def test_grid_applies_sglang_rules_and_always_has_the_baseline():
+    cfgs, rejected = step_grid([1, 2, 3], [1, 2], [None, 4, 6], batch_size=[1, 4])
+    assert [c for c in cfgs if not c["spec"]] == [
+        {"spec": False, "batch_size": 1},
+        {"spec": False, "batch_size": 4},
+    ]
+    assert cfgs[0]["spec"] is False  # baselines come first
+    # topk 1 forces ndt = steps + 1, so (s, 1, None/4/6) collapse to one config
+    chains = [c for c in cfgs if c["spec"] and c["eagle_topk"] == 1 and c["batch_size"] == 1]
+    assert sorted((c["num_steps"], c["num_draft_tokens"]) for c in chains) == [
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    # the hard limit ndt - 1 <= k + (s - 1) k^2 rejects 1/2/4 and 1/2/6, with the rule named
+    bad = {(c["num_steps"], c["eagle_topk"], c["num_draft_tokens"]) for c, _ in rejected}
+    assert (1, 2, 4) in bad and (1, 2, 6) in bad and (2, 2, 6) not in bad
+    assert all("num_draft_tokens - 1 <= topk" in why for _, why in rejected)
+    assert len({config_key(c) for c in cfgs}) == len(cfgs)
+    assert config_key({"a": 1, "b": [1, 2]}) == config_key({"b": [1, 2], "a": 1})
+
+
+# ---------------------------------------------------------------- runner
+
+
+def _counting(calls: list[int]):
+    def run(cfg):
+        calls.append(cfg["num_steps"])
+        return {"tok_s": float(cfg["num_steps"])}
+
+    return run
+
+
+def _grid(n: int) -> list[dict]:
+    return [{"spec": True, "num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1}
+            for s in range(1, n + 1)]  # fmt: skip
+
+
+def test_sweep_records_a_failure_goes_on_and_resumes_after_interrupt(tmp_path):
+    cfgs = _grid(5)
+    calls: list[int] = []
+
+    def flaky(cfg):
+        calls.append(cfg["num_steps"])
+        if cfg["num_steps"] == 2:
+            raise RuntimeError("deliberate failure at 2 steps")
+        if cfg["num_steps"] == 4:
+            raise KeyboardInterrupt  # the user stops the sweep here
+        return {"tok_s": 10.0 * cfg["num_steps"]}
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(cfgs, flaky, tmp_path, progress=False)
+    rows = read_results(tmp_path / RESULTS)
+    assert [r["config"]["num_steps"] for r in rows] == [1, 2, 3]
+    assert [r["status"] for r in rows] == ["ok", "failed", "ok"]
+    assert "deliberate failure at 2 steps" in rows[1]["error"]
+    assert "RuntimeError" in rows[1]["log_tail"]  # the traceback's tail
+
+    calls.clear()
+    done = run_sweep(cfgs, _counting(calls), tmp_path, progress=False)
+    assert calls == [4, 5]  # finished (ok or failed) configs are not redone
+    assert [r["status"] for r in done] == ["ok", "failed", "ok", "ok", "ok"]
+    assert done[0]["result"] == {"tok_s": 10.0}  # the first run's row is kept
+
+    calls.clear()
+    done = run_sweep(cfgs, _counting(calls), tmp_path, retry_failed=True, progress=False)
+    assert calls == [2] and done[1]["status"] == "ok"
+
+
+def test_invalid_config_is_recorded_without_a_run(tmp_path):
+    bad = {"spec": True, "num_steps": 1, "eagle_topk": 2, "num_draft_tokens": 8}
+    rows = run_sweep([bad], lambda c: pytest.fail("an invalid config must not run"), tmp_path,
+                     progress=False)  # fmt: skip
+    assert rows[0]["status"] == "failed" and rows[0]["phase"] == "validate"
+    assert "num_draft_tokens - 1 <= topk" in rows[0]["error"]
+
+
+SLOW_SWEEP = """
+import sys, time
+from workbench.experiments.sweep import run_sweep
+cfgs = [{"spec": True, "num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1} for s in range(1, 7)]
+def slow(cfg):
+    time.sleep(0.3 if cfg["num_steps"] <= 2 else 30)
+    return {"tok_s": float(cfg["num_steps"])}
+run_sweep(cfgs, slow, sys.argv[1], progress=False)
+"""
+
+
+def test_sweep_resumes_after_sigkill_of_the_sweep_process(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SWEEP, str(tmp_path)])
+    path = tmp_path / RESULTS
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if path.exists() and len(read_results(path)) >= 2:
+            break
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-way through config 3
+    proc.wait()
+    assert [r["config"]["num_steps"] for r in read_results(path)] == [1, 2]
+    calls: list[int] = []
+    cfgs = _grid(6)
+    rows = run_sweep(cfgs, _counting(calls), tmp_path, progress=False)
+    assert calls == [3, 4, 5, 6]
+    assert [r["status"] for r in rows] == ["ok"] * 6
+
+
+def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path):
+    with locked_dir(tmp_path, "sweep folder"), pytest.raises(InUseError, match="in use by pid"):
+        run_sweep(_grid(1), lambda c: {}, tmp_path, progress=False)
+
+
+def test_run_command_timeout_kills_the_process_group_and_crash_is_named(tmp_path):
+    log = tmp_path / "hang.log"
+    with pytest.raises(RunFailed, match="timed out") as e:
+        run_command(["bash", "-c", "sleep 60 & echo child $!; wait"], timeout_s=1.5,
+                    log_path=log)  # fmt: skip
+    child = int(e.value.log_tail.split("child ")[1].split()[0])
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):  # the background child died with its group
+        os.kill(child, 0)
+    with pytest.raises(RunFailed, match="killed by signal 9") as e:
+        run_command(["bash", "-c", "echo about to crash; kill -9 $$"], log_path=tmp_path / "c.log")
+    assert "about to crash" in e.value.log_tail
+    with pytest.raises(RunFailed, match="exit code 3"):
+        run_command(["bash", "-c", "exit 3"])
+
+    # as a sweep backend: the crash is recorded and the next config runs
+    def backend(cfg):
+        code = "kill -9 $$" if cfg["num_steps"] == 1 else "echo fine"
+        return {
+            "out": run_command(["bash", "-c", code], log_path=tmp_path / f"{cfg['num_steps']}.log")
+        }
+
+    rows = run_sweep(_grid(2), backend, tmp_path / "sweep", progress=False)
+    assert [r["status"] for r in rows] == ["failed", "ok"]
+    assert "signal 9" in rows[0]["error"] and rows[1]["result"]["out"].strip() == "fine"
+
+
+# ---------------------------------------------------------------- metrics and the cost model
+
+
+def test_tree_tau_approximation():
+    a = [0.6, 0.5, 0.4]
+    assert metrics.tree_depth_widths(5, 4, 8) == [3, 1, 1, 1, 1]
+    assert metrics.tree_depth_widths(3, 1, 4) == [1, 1, 1]
+    assert metrics.tree_depth_widths(5, 2, 3) == [1, 1]  # 2 nodes: 2 levels deep
+    assert metrics.simulated_tree_tau(a, 3, 1, 4) == pytest.approx(metrics.simulated_tau(a))
+    wide = metrics.simulated_tree_tau(a, 3, 2, 6)
+    assert wide > metrics.simulated_tau(a)
+    assert metrics.simulated_tree_tau(a, 3, 2, 6, gamma=0.0) == pytest.approx(
+        metrics.simulated_tau(a)
+    )
+    # independent siblings at depth 1 (2 tries) and depth 2 (2 tries): 1 - 0.4^2, 1 - 0.5^2
+    assert wide == pytest.approx(metrics.simulated_tau([0.84, 0.75, 0.4]))
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)  # ties get average ranks
+
+
+def _synthetic_rows(a, gamma):
+    """Rows whose times follow a known linear model, tau the tree approximation."""
+    cfgs, _ = step_grid([1, 2, 3, 4, 5], [1, 2, 4], [None, 4, 6, 8])
+    rows = []
+    for c in cfgs:
+        if not c["spec"]:
+            res = {"tok_s": 1e3 / 10.0, "tau": 1.0, "cycle_ms": 10.0}
+        else:
+            s, k, n = c["num_steps"], c["eagle_topk"], c["num_draft_tokens"]
+            tau = metrics.simulated_tree_tau(a, s, k, n, gamma)
+            d, v, e = 1 + 2.0 * (s - 1) + 0.25 * (s - 1) * k, 9 + 0.5 * n, 0.5 + 0.3 * tau
+            cyc = d + v + e + 0.2
+            res = {"tau": tau, "draft_ms": d, "verify_ms": v, "extend_ms": e, "traced_ms": d + v + e,
+                   "cycle_ms": cyc, "tok_s": 1e3 * tau / cyc, "acceptance": a[:s]}  # fmt: skip
+        rows.append({"key": config_key(c), "config": c, "status": "ok", "result": res})
+    return cfgs, rows
+
+
+def test_cost_model_recovers_known_times_from_a_few_configs():
+    a = [0.8, 0.7, 0.6, 0.5, 0.4]
+    cfgs, rows = _synthetic_rows(a, gamma=0.5)
+    calib = pick_calibration(cfgs, 4)
+    assert not calib[0]["spec"] and len(calib) == 5  # the baseline + 4 speculative
+    assert {(c["num_steps"], c["eagle_topk"]) for c in calib[1:3]} == {(5, 1), (1, 1)}
+    model = fit_cost_model(rows, [config_key(c) for c in calib])
+    assert model.gamma == pytest.approx(0.5) and model.acceptance == a
+    assert model.other_ms == pytest.approx(0.2)
+    rep = evaluate(rows, model)
+    assert len(rep["table"]) == len(cfgs)
+    assert rep["mean_abs_error"] < 1e-6 and rep["best_gap"] == pytest.approx(0.0)
+    assert rep["rank_corr"] == pytest.approx(1.0)
+    assert rep["best"] == rep["predicted"] != "plain"
+    assert sum(not t["fit"] for t in rep["table"]) == len(cfgs) - 5
+    assert result_line(rep).startswith(f"RESULT configs={len(cfgs)} best={rep['best']} ")
+
+
+def test_cost_model_says_what_is_missing():
+    cfgs, rows = _synthetic_rows([0.5], 1.0)
+    trees = [r for r in rows if r["config"].get("eagle_topk", 1) > 1]
+    from workbench.experiments.steps import ModelError
+
+    with pytest.raises(ModelError, match="no measured chain"):
+        fit_cost_model(trees)
+    with pytest.raises(ModelError, match="at least one measured speculative"):
+        fit_cost_model([r for r in rows if not r["config"]["spec"]])
+
+
+# ---------------------------------------------------------------- the local engine backend
+
+
+def _tiny_llm_and_draft():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=1,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    dcfg = DraftConfig.from_target(model.config, LayerIds((0, 1, 2)), 64)
+    torch.manual_seed(1)
+    d = Eagle3Draft(dcfg)
+    d.set_vocab(torch.sort(torch.randperm(256)[:64]).values)
+    return Llama(model, torch.float32), init_from_target(d, model).eval()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
+    llm, draft = _tiny_llm_and_draft()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (9, 23)]
+    backend = LocalBackend(llm, draft, prompts, 16, trace_dir=tmp_path / "traces")
+    cfgs, _ = step_grid([1, 2, 3], [1, 2], [None, 4])
+    cfgs.append({"spec": True, "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3,
+                 "batch_size": 2})  # the local engine is batch 1: recorded as failed  # fmt: skip
+    rows, rep = step_sweep(backend, cfgs, tmp_path / "sweep", progress=False)
+    by = {r["label"]: r for r in rows}
+    assert by["2/1/3@2"]["status"] == "failed" and "batch 1" in by["2/1/3@2"]["error"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == len(cfgs) - 1
+    for r in ok:
+        res = r["result"]
+        assert res["decode_tokens"] == sum(map(sum, res["accepted"]))
+        if r["config"]["spec"]:
+            assert res["draft_ms"] > 0 and res["verify_ms"] > 0 and res["extend_ms"] > 0
+            lines = Path(res["trace"]).read_text().splitlines()
+            assert len(lines) == res["verify_forwards"]  # one trace line per cycle
+            assert json.loads(lines[0])["num_steps"] == r["config"]["num_steps"]
+    plain = by["plain@1"]["result"]
+    assert plain["tau"] == 1.0 and plain["verify_forwards"] == plain["decode_tokens"]
+    # an untrained draft accepts (almost) nothing: every speculative config is slower than
+    # plain decoding, measured and predicted
+    assert rep["best"] == "plain" and rep["predicted"] == "plain" and rep["best_gap"] == 0.0
+    assert len(rep["table"]) == len(ok) and -1.0 <= rep["rank_corr"] <= 1.0
+    t = {x["config"]: x for x in rep["table"]}
+    assert t["plain"]["predicted_tok_s"] == pytest.approx(t["plain"]["measured_tok_s"])
+    assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
