@@ -307,3 +307,87 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
     t = {x["config"]: x for x in rep["table"]}
     assert t["plain"]["predicted_tok_s"] == pytest.approx(t["plain"]["measured_tok_s"])
     assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
+
+
+# ---------------------------------------------------------------- all-reduce and NCCL settings
+
+
+def test_allreduce_bench_under_torchrun_gloo(tmp_path):
+    js = tmp_path / "ar.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "benchmarks" / "bench_allreduce.py"), "--sizes", "1152,9216",
+         "--verify-tokens", "8", "--iters", "5", "--warmup", "1", "--json", str(js)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT backend=gloo world=2 small_us=")
+    assert "verify_bytes=9216 " in last and "decode_bytes=1152 " in last  # 1 x 8 x 576 x 2
+    data = json.loads(js.read_text())
+    assert data["world"] == 2 and [x["bytes"] for x in data["rows"]] == [1152, 9216]
+    for x in data["rows"]:
+        assert x["us"] > 0
+        assert x["algbw_GBps"] == pytest.approx(x["bytes"] / (x["us"] * 1e-6) / 1e9)
+        assert x["busbw_GBps"] == pytest.approx(x["algbw_GBps"])  # 2 (n-1)/n = 1 at n = 2
+    assert data["facts"]["cuda_available"] is False
+
+
+def test_bus_bandwidth_and_tp_scaling_model():
+    from workbench.experiments.allreduce import (
+        LatencyModel,
+        bus_bandwidth,
+        crossover_tp,
+        fit_latency,
+        published_latency,
+        spec_speedup_vs_tp,
+        tp_scaling,
+        verify_bytes,
+    )
+
+    assert bus_bandwidth(10.0, 8) == pytest.approx(17.5)
+    assert verify_bytes(4, 8, 7168, 2) == 4 * 8 * 7168 * 2
+    lat = fit_latency([(0, 10.0), (1e6, 10.0 + 1e6 * 1.0 / 1e9 * 1e6)], 2, "test")
+    assert lat.alpha_us == pytest.approx(10.0) and lat.busbw_GBps == pytest.approx(1.0)
+    flat = LatencyModel(alpha_us=30.0, busbw_GBps=0.0, world=8, source="test")
+    rows = tp_scaling(10.0, 80, 8192, flat)
+    assert [r["tp"] for r in rows] == [1, 2, 4, 8] and rows[0]["comm_ms"] == 0.0
+    # 80 layers x 2 all-reduces x 30 us x (tp-1)/7: comm rises while compute falls
+    assert rows[3]["comm_ms"] == pytest.approx(80 * 2 * 30e-3)
+    assert rows[2]["comm_ms"] == pytest.approx(80 * 2 * 30e-3 * 3 / 7)  # 2.06 ms < 2.5 compute
+    assert crossover_tp(rows) == 8 and rows[3]["speedup"] < rows[2]["speedup"]  # TP=8 is slower
+    pub = published_latency("sglang-custom-ar-h100-tp8")
+    assert "published" in pub.source and pub.us(512, 8) == pytest.approx(5.9, rel=0.5)
+    sp = spec_speedup_vs_tp(tau=3.0, decode_compute_ms=20.0, verify_compute_ms=24.0, draft_ms=2.0,
+                            n_layers=80, batch=1, draft_tokens=8, hidden=8192, latency=flat)  # fmt: skip
+    assert sp[0]["spec_speedup"] == pytest.approx(3.0 * 20.0 / 26.0)
+    assert sp[-1]["spec_speedup"] < sp[0]["spec_speedup"]  # the #6949 shape
+
+
+def test_nccl_matrix_checks_values_and_runs_as_a_sweep(tmp_path):
+    from workbench.experiments.nccl import (
+        CommConfigError,
+        allreduce_backend,
+        env_matrix,
+        launch_env,
+        launch_flags,
+    )
+
+    m = env_matrix({"NCCL_ALGO": [None, "Ring", "Tree"], "NCCL_PROTO": [None, "LL"]},
+                   flags=[(), ("--disable-custom-all-reduce",)])  # fmt: skip
+    assert len(m) == 12 and m[0] == {"env": {}, "flags": []}
+    assert launch_env(m[-1]) == {"NCCL_ALGO": "Tree", "NCCL_PROTO": "LL"}
+    assert launch_flags(m[-1]) == ["--disable-custom-all-reduce"]
+    with pytest.raises(CommConfigError, match="Rnig"):
+        env_matrix({"NCCL_ALGO": ["Rnig"]})
+    with pytest.raises(CommConfigError, match="not an SGLang communication flag"):
+        env_matrix(flags=[("--enable-custom-all-reduce",)])
+    with pytest.raises(CommConfigError, match="MIN_NCHANNELS=8 > NCCL_MAX"):
+        env_matrix({"NCCL_MIN_NCHANNELS": [8], "NCCL_MAX_NCHANNELS": [4]})
+    # real torchrun per setting; gloo ignores NCCL_* but the harness and env plumbing are real
+    cfgs = env_matrix({"NCCL_ALGO": [None, "Ring"]})
+    run = allreduce_backend(tmp_path, sizes=(1152,), iters=3)
+    rows = run_sweep(cfgs, run, tmp_path, progress=False)
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert rows[1]["result"]["facts"]["nccl_env"] == {"NCCL_ALGO": "Ring"}
+    assert rows[0]["result"]["result_line"].startswith("RESULT backend=gloo world=2")
