@@ -14,7 +14,7 @@ import time
 import torch
 
 from workbench.draft.model import DraftConfig, Eagle3Draft
-from workbench.draft.train import TTTModel, unroll_masks
+from workbench.draft.ttt import TTTModel, unroll_masks
 from workbench.layers import LayerIds
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import socket
 from dataclasses import replace
@@ -18,19 +17,11 @@ import pytest
 import torch
 
 from workbench.capture import AuxRecorder, CaptureReader
+from workbench.draft.checkpoint import latest_checkpoint, read_state
+from workbench.draft.data import check_capture, split_indices
+from workbench.draft.load import load_draft
 from workbench.draft.model import SGLANG_KEYS
-from workbench.draft.train import (
-    TrainConfig,
-    TrainError,
-    check_capture,
-    config_from_args,
-    latest_checkpoint,
-    load_draft,
-    profile,
-    step_masks,
-    summarize,
-    train,
-)
+from workbench.draft.train import PRESETS, TrainConfig, TrainError, config_from_args, preset, train
 from workbench.layers import LayerIds
 from workbench.target import Target, fingerprint_dir
 
@@ -163,36 +154,6 @@ def base_cfg(root: Path, name: str, **kw) -> TrainConfig:
     return replace(cfg, **kw)
 
 
-def test_step_masks_alignment():
-    lm = torch.tensor([[0, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)  # last token is padding
-    inv = torch.tensor([[1, 1, 1, 0, 1, 1, 1]], dtype=torch.bool)
-    b = {"loss_mask": lm, "in_vocab": inv}
-    m = step_masks(b, 3)
-    # step 0, t: tok[t+2] assistant and argmax at t+1 in vocab
-    assert m[0].tolist() == [[True, True, False, True, False, False]]
-    assert m[1].tolist() == [[True, False, True, False, False]]  # tok[t+3] and argmax at t+2
-    assert m[2].tolist() == [[False, True, False, False]]
-
-
-def test_summarize_conditional_acceptance_and_tau():
-    st = torch.tensor([[0, 8, 10, 8, 10], [0, 5, 10, 4, 8], [0, 1, 10, 1, 4]], dtype=torch.float)
-    s = summarize(st)
-    assert s["acc"] == [0.8, 0.5, 0.1] and s["a"] == [0.8, 0.5, 0.25]
-    assert abs(s["tau"] - (1 + 0.8 + 0.4 + 0.1)) < 1e-9
-
-
-def test_summarize_counts_out_of_vocab_targets_as_misses():
-    # step 0: 8 of 10 in-vocab right; 12 positions in all (2 targets outside the draft vocab)
-    st = torch.tensor(
-        [[0, 8, 10, 8, 10, 8, 12, 8, 12], [0, 4, 10, 4, 8, 4, 12, 4, 8]], dtype=torch.float
-    )
-    s = summarize(st)
-    assert s["acc"] == [0.8, 0.4] and s["acc_all"] == [8 / 12, 4 / 12]
-    assert s["a_all"] == [8 / 12, 0.5] and abs(s["tau_all"] - (1 + 8 / 12 + 4 / 12)) < 1e-9
-    assert abs(s["in_vocab"] - 10 / 12) < 1e-9
-    assert "acc_all" not in summarize(st[:, :5])  # training stats: in-vocab figures only
-
-
 def test_guard_rails(env, tmp_path):
     target, reader, root = env
     assert check_capture(reader, target) == IDS
@@ -204,7 +165,7 @@ def test_guard_rails(env, tmp_path):
     with pytest.raises(
         TrainError, match=r"layer ids: capture has \[0, 1, 2\].*requested \[0, 1, 3\]"
     ):
-        check_capture(reader, target, "0,1,3")
+        check_capture(reader, target, LayerIds((0, 1, 3)))
     # the off-by-one: vLLM-style ids taken for canonical ones
     with pytest.raises(
         TrainError, match=r"capture has \[0, 1, 2\].*requested \[-1, 0, 1\].*input_of_layer"
@@ -256,9 +217,9 @@ def test_train_smoke_metrics_checkpoint(env):
     ck = latest_checkpoint(out)
     assert ck is not None and ck.name == "step-00000010" and Path(s["checkpoint"]) == ck
     assert len(list((out / "checkpoints").glob("step-*"))) <= cfg.keep_ckpts
-    d = load_draft(out, target.model)
+    d = load_draft(out, target.model).draft
     assert set(d.state_dict()) == set(SGLANG_KEYS) and d.config.draft_vocab_size == 128
-    st = torch.load(ck / "state.pt", weights_only=False)
+    st = read_state(ck)
     assert {"optimizer", "scheduler", "rng", "step", "epoch", "batch_in_epoch", "metrics"} <= set(
         st
     )
@@ -269,7 +230,7 @@ def test_bf16_autocast_trains(env):
     target, reader, root = env
     s = train(base_cfg(root, "bf16", amp="bf16", max_steps=3, ckpt_every=100), target, reader)
     assert s["step"] == 3 and all(0 <= a <= 1 for a in s["acc"])
-    d = load_draft(s["out"])
+    d = load_draft(s["out"]).draft
     assert all(
         v.dtype in (torch.float32, torch.long, torch.bool) for v in d.state_dict().values()
     )  # fp32 master
@@ -278,10 +239,16 @@ def test_bf16_autocast_trains(env):
 def test_time_budget_stop_logs_its_final_eval(env):
     target, reader, root = env
     cfg = base_cfg(root, "budget", max_steps=10, ttt_len=2, epochs=1, time_budget_s=0.0)
-    s = train(cfg, target, reader)
+    with pytest.warns(UserWarning, match="stopped early.*1 of 10 planned steps"):
+        s = train(cfg, target, reader)
     assert s["step"] == 1 and latest_checkpoint(cfg.out).name == "step-00000001"
-    last = json.loads(Path(cfg.out, "log.jsonl").read_text().splitlines()[-1])
-    assert last["event"] == "eval" and last["step"] == 1 and last["acc"] == s["acc"]
+    assert s["stopped_early"] is True and s["steps_planned"] == 10
+    recs = [json.loads(x) for x in Path(cfg.out, "log.jsonl").read_text().splitlines()]
+    assert recs[-2]["event"] == "eval" and recs[-2]["step"] == 1 and recs[-2]["acc"] == s["acc"]
+    assert recs[-1] == {"event": "stopped_early", "step": 1, "steps_planned": 10,
+                        "reason": "time_budget_s 0.0 reached"}  # fmt: skip
+    prov = load_draft(cfg.out).provenance["training"]
+    assert prov["stopped_early"] is True and (prov["step"], prov["steps_planned"]) == (1, 10)
 
 
 def test_resume_after_kill_equals_uninterrupted(env):
@@ -295,8 +262,8 @@ def test_resume_after_kill_equals_uninterrupted(env):
     assert sk["stopped"] and latest_checkpoint(killed.out).name == "step-00000003"
     sr = train(replace(killed, stop_after=None, resume=True), target, reader)
     assert sr["step"] == sa["step"]
-    a = load_draft(full.out).state_dict()
-    b = load_draft(killed.out).state_dict()
+    a = load_draft(full.out).draft.state_dict()
+    b = load_draft(killed.out).draft.state_dict()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     la = [json.loads(x) for x in Path(full.out, "log.jsonl").read_text().splitlines()]
@@ -334,11 +301,11 @@ def test_two_gloo_processes_match_single_process(env):
     train(single, target, reader)
     ddp = replace(single, out=str(root / "ddp2"))
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(root), ddp), nprocs=2, join=True)
-    a = load_draft(single.out).state_dict()
-    b = load_draft(ddp.out).state_dict()
+    a = load_draft(single.out).draft.state_dict()
+    b = load_draft(ddp.out).draft.state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4, msg=k)
-    st = torch.load(latest_checkpoint(ddp.out) / "state.pt", weights_only=False)
+    st = read_state(latest_checkpoint(ddp.out))
     assert st["world_size"] == 2
     ev_a = [json.loads(x) for x in Path(single.out, "log.jsonl").read_text().splitlines()][-1]
     ev_b = [json.loads(x) for x in Path(ddp.out, "log.jsonl").read_text().splitlines()][-1]
@@ -347,9 +314,12 @@ def test_two_gloo_processes_match_single_process(env):
     assert ev_a["acc"] == pytest.approx(ev_b["acc"], abs=1e-6)
 
 
-def test_profiles_and_cli_args():
-    q, f = profile("quick"), profile("full", lr=1e-4)
-    assert q.ttt_len == 5 and f.ttt_len == 5 and f.lr == 1e-4 and q.time_budget_s <= 15 * 60
+def test_presets_and_cli_args():
+    q, f = preset("quick"), preset("full", lr=1e-4)
+    assert q.ttt_len == 5 and f.ttt_len == 5 and f.lr == 1e-4
+    # reproducible: presets are defined by epochs, never by the machine's clock
+    assert q.time_budget_s is None and f.time_budget_s is None
+    assert all("time_budget_s" not in p and p["epochs"] > 0 for p in PRESETS.values())
     assert q.ttt_sample == f.ttt_sample == 0.25 and q.loss_on == f.loss_on == "all"
     cfg = config_from_args(
         [
@@ -374,8 +344,13 @@ def test_profiles_and_cli_args():
         (0.9, 0.99),
         2e-3,
     )
-    with pytest.raises(ValueError):
-        profile("nope")
+    with pytest.raises(TrainError, match="unknown preset 'nope'"):
+        preset("nope")
+    cfg = config_from_args(["--capture", "c", "--preset", "full", "--layer-ids", "2,3,4",
+                            "--layer-convention", "input_of_layer"])  # fmt: skip
+    assert cfg.layer_ids == LayerIds((2, 3, 4), "input_of_layer") and cfg.lr == 4e-3
+    with pytest.raises(TrainError, match="--layer-convention"):
+        config_from_args(["--capture", "c", "--layer-ids", "1,2,3"])  # a bare id list
     cfg = config_from_args(["--capture", "c", "--ttt-sample", "0.5", "--loss-on", "all"])
     assert (cfg.ttt_sample, cfg.loss_on) == (0.5, "all")
 
@@ -398,77 +373,21 @@ def test_sampled_unroll_trains_and_resumes_exactly(env):
     train(replace(cfg, stop_after=5), target, reader)  # killed after step 5 (ckpt at 3)
     b = train(replace(cfg, resume=True), target, reader)
     assert a["step"] == b["step"] == 8 and len(a["acc"]) == 3
-    wa, wb = load_draft(a["out"]).state_dict(), load_draft(b["out"]).state_dict()
+    wa, wb = load_draft(a["out"]).draft.state_dict(), load_draft(b["out"]).draft.state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     with pytest.raises(TrainError, match="ttt_sample: checkpoint 0.5, now 1.0"):
         train(replace(cfg, resume=True, ttt_sample=1.0), target, reader)
 
 
 def test_split_keeps_answers_to_one_prompt_together():
-    from workbench.draft.train import split_indices
-
     groups = [f"p{i % 50}" for i in range(150)]  # 3 answers to each of 50 prompts
     train_idx, val_idx = split_indices(150, 0.1, 256, seed=0, groups=groups)
     assert sorted(train_idx + val_idx) == list(range(150))
     assert 15 <= len(val_idx) <= 17 and len(val_idx) % 3 == 0
     assert not {groups[i] for i in val_idx} & {groups[i] for i in train_idx}
-    # without groups the split is the plain per-sample one (old runs resume unchanged)
-    assert split_indices(150, 0.1, 256, seed=0) == split_indices(150, 0.1, 256, 0, None)
-
-
-def test_subsampled_unroll_equals_full_unroll_at_the_sampled_positions():
-    """ttt_sample < 1: steps >= 1 unroll a subset of positions. Their loss, metrics and
-    gradients must equal the full unroll restricted (by mask) to the same positions."""
-    from tests.test_draft_model import tiny_draft
-    from workbench.draft.train import TTTModel, sample_positions, subsample_masks
-
-    torch.manual_seed(3)
-    d = tiny_draft(dvocab=64).double()
-    B, T, K = 3, 17, 4
-    batch = {
-        "input_ids": torch.randint(0, 256, (B, T)),
-        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
-        "loss_mask": torch.rand(B, T) < 0.8,
-        "in_vocab": torch.rand(B, T) < 0.9,
-        "token_mask": torch.ones(B, T, dtype=torch.bool),
-    }
-    batch["loss_mask"][2, 12:] = False  # a short row
-    tl = torch.randn(B, T, 64, dtype=torch.float64)
-    model = TTTModel(d, K, 0.8)
-    masks = step_masks(batch, K)
-    idx = sample_positions(masks[1], 0.3)
-    assert idx.shape == (B, math.ceil(0.3 * T)) and (idx.diff(dim=1) > 0).all()
-    # valid step-1 positions are taken first
-    for b in range(B):
-        assert masks[1][b, idx[b]].sum() == min(idx.shape[1], int(masks[1][b].sum()))
-    sub = subsample_masks(masks, idx)
-    # the full unroll with steps >= 1 masked down to the sampled positions
-    restricted = [masks[0]]
-    for m in masks[1:]:
-        keep = torch.zeros_like(m)
-        for b in range(B):
-            keep[b, idx[b][idx[b] < m.shape[1]]] = True
-        restricted.append(m & keep)
-    denom = torch.stack([m.sum() for m in sub]).double()
-    assert torch.equal(denom, torch.stack([m.sum() for m in restricted]).double())
-
-    def run(masks_, idx_):
-        d.zero_grad()
-        loss, st = model(batch, tl, masks_, denom, idx=idx_)
-        loss.backward()
-        return loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}
-
-    l_full, st_full, g_full = run(restricted, None)
-    l_sub, st_sub, g_sub = run(sub, idx)
-    assert torch.allclose(l_full, l_sub, atol=1e-10)
-    assert torch.allclose(st_full, st_sub, atol=1e-9)
-    for k in g_full:
-        assert torch.allclose(g_full[k], g_sub[k], atol=1e-9), k
-
-
-def test_loss_on_all_tokens_widens_the_mask_only():
-    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)
-    b = {"loss_mask": lm, "in_vocab": torch.ones(1, 7, dtype=torch.bool)}
-    b["token_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
-    assert step_masks(b, 1)[0].tolist() == [[False, True, True, True, False, False]]
-    assert step_masks(b, 1, all_tokens=True)[0].tolist() == [[True, True, True, True, False, False]]
+    # without groups: 15 of 150 held out, disjoint, the same for a seed, another for another
+    tr, va = split_indices(150, 0.1, 256, seed=0)
+    assert len(va) == 15 and sorted(tr + va) == list(range(150))
+    assert split_indices(150, 0.1, 256, seed=0)[1] == va
+    assert split_indices(150, 0.1, 256, seed=1)[1] != va
+    assert len(split_indices(150, 0.5, 20, seed=0)[1]) == 20  # val_max caps it

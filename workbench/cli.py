@@ -323,8 +323,9 @@ def export_draft(
         ExportError,
         export_sglang,
         export_speculators,
-        load_any,
+        reexport_provenance,
     )
+    from workbench.draft.load import load_draft
     from workbench.draft.train import TrainError
     from workbench.layers import LayerConventionError
 
@@ -333,7 +334,8 @@ def export_draft(
     if fmt != SGLANG and not verifier:
         _fail("--format speculators needs --verifier (the target's hub id or path)")
     try:
-        d, prov, warns = load_any(draft)
+        loaded = load_draft(draft)
+        d, prov, warns = loaded.draft, reexport_provenance(loaded), loaded.warnings
         kw = dict(dtype=dtype or None, target_max_position_embeddings=target_max_positions or None)
         if fmt == SGLANG:
             path = export_sglang(d, out, prov, **kw)
@@ -360,13 +362,14 @@ def import_draft_cmd(
     strict: bool = typer.Option(False, "--strict", help="exit 1 when anything is flagged"),
 ) -> None:
     """Load an outside draft for inspection: print its shape, wiring and what looks wrong."""
-    from workbench.draft.export import DraftImportError, import_draft
+    from workbench.draft.export import DraftImportError
+    from workbench.draft.load import load_draft
     from workbench.layers import LayerConventionError
 
     try:
-        imp = import_draft(
+        imp = load_draft(
             path,
-            layer_convention or None,
+            layer_convention=layer_convention or None,
             layer_ids=layer_ids or None,
             target_max_position_embeddings=target_max_positions or None,
         )

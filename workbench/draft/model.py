@@ -19,13 +19,14 @@ Attention has three paths, all with Llama RoPE:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workbench.draft.vocab import d2t_from_ids, ids_from_d2t, t2d_from_ids
 from workbench.layers import LayerIds
 
 # The exact parameter/buffer names SGLang's llama_eagle3 loader expects.
@@ -60,7 +61,7 @@ class DraftConfig:
     vocab_size: int  # target vocab (embeddings, t2d)
     draft_vocab_size: int
     target_hidden_size: int
-    layer_ids: LayerIds = field(default_factory=lambda: LayerIds((0,)))
+    layer_ids: LayerIds  # the aux layers fc reads, with their convention (no default)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # HF rope_parameters minus rope_theta; None = default
@@ -93,9 +94,9 @@ class DraftConfig:
             num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(c, "head_dim", None) or H // heads),
             vocab_size=int(c.vocab_size),
-            draft_vocab_size=min(int(draft_vocab_size), int(c.vocab_size)),
+            draft_vocab_size=int(draft_vocab_size),  # clamped once, by vocab.vocab_from_counts
             target_hidden_size=H,
-            layer_ids=layer_ids.to(layer_ids.convention),
+            layer_ids=layer_ids,
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=dict(scaling) if scaling else None,
@@ -331,11 +332,10 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        ids = torch.arange(cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        self.register_buffer("t2d", t2d)
+        self.register_buffer(
+            "t2d", t2d_from_ids(torch.arange(cfg.draft_vocab_size), cfg.vocab_size)
+        )
         # frozen, from the target; non-persistent so it never reaches a checkpoint/export
         self.register_buffer("embed_tokens", torch.zeros(cfg.vocab_size, H), persistent=False)
         # a plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies
@@ -358,14 +358,13 @@ class Eagle3Draft(nn.Module):
             raise ValueError(
                 f"draft vocab has {draft_ids.numel()} ids, config says {self.config.draft_vocab_size}"
             )
-        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device))
-        self.t2d.zero_()
-        self.t2d[draft_ids] = True
+        self.d2t.copy_(d2t_from_ids(draft_ids))
+        self.t2d.copy_(t2d_from_ids(draft_ids, self.config.vocab_size))
 
     @property
     def draft_ids(self) -> torch.Tensor:
         """Target id of each draft-vocab entry."""
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return ids_from_d2t(self.d2t)
 
     def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         return draft_tokens + self.d2t[draft_tokens]
@@ -434,13 +433,6 @@ class Eagle3Draft(nn.Module):
         if missing:
             raise RuntimeError(f"draft state dict differs from SGLang's key set: {sorted(missing)}")
         return sd
-
-
-def build_draft(cfg: DraftConfig, draft_ids: torch.Tensor | None = None) -> Eagle3Draft:
-    draft = Eagle3Draft(cfg)
-    if draft_ids is not None:
-        draft.set_vocab(draft_ids)
-    return draft
 
 
 @torch.no_grad()

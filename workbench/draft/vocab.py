@@ -20,14 +20,35 @@ from typing import Any
 
 import torch
 
+from workbench.errors import WorkbenchError
 from workbench.fsutil import atomic_write_json
 
 DEFAULT_DRAFT_VOCAB = 32000
 EMBEDDED_DRAFT_VOCAB = 8192  # recommended for SmolLM2-135M on CPU
 
 
-class VocabError(ValueError):
+class VocabError(WorkbenchError):
     """A draft vocabulary map is degenerate, inconsistent or stale."""
+
+
+def d2t_from_ids(ids: torch.Tensor) -> torch.Tensor:
+    """SGLang's offsets: d2t[i] = target id of draft id i, minus i."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    return ids - torch.arange(ids.numel(), device=ids.device)
+
+
+def ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """Target id of each draft id (the inverse of `d2t_from_ids`)."""
+    d2t = torch.as_tensor(d2t).long()
+    return d2t + torch.arange(d2t.numel(), device=d2t.device)
+
+
+def t2d_from_ids(ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """Bool mask over the target vocab: True where a target id is in the draft vocab."""
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    m = torch.zeros(int(target_vocab_size), dtype=torch.bool, device=ids.device)
+    m[ids] = True
+    return m
 
 
 @dataclass
@@ -44,13 +65,11 @@ class DraftVocab:
 
     @property
     def d2t(self) -> torch.Tensor:
-        return self.ids - torch.arange(self.ids.numel())
+        return d2t_from_ids(self.ids)
 
     @property
     def t2d(self) -> torch.Tensor:
-        m = torch.zeros(self.target_vocab_size, dtype=torch.bool)
-        m[self.ids] = True
-        return m
+        return t2d_from_ids(self.ids, self.target_vocab_size)
 
     def to_dict(self) -> dict:
         return {
@@ -107,7 +126,9 @@ def token_counts(reader: Any, vocab_size: int, indices: Any = None) -> torch.Ten
 
 
 def vocab_from_counts(counts: torch.Tensor, size: int, capture: str = "") -> DraftVocab:
-    """Top-`size` ids by count (ties: lower id first), sorted; pad with unseen ids."""
+    """Top-`size` ids by count (ties: lower id first), sorted; pad with unseen ids.
+
+    The one place the draft vocab size is clamped (to the target vocab)."""
     V = counts.numel()
     size = min(int(size), V)
     # stable sort on -count keeps lower ids first among equal counts (deterministic)
@@ -168,7 +189,7 @@ def d2t_problems(d2t: torch.Tensor, target_vocab_size: int | None = None) -> lis
     if d2t.dtype != torch.long:
         out.append(f"d2t dtype is {d2t.dtype}, SGLang expects int64 offsets")
     d2t = d2t.long()
-    ids = d2t + torch.arange(n)
+    ids = ids_from_d2t(d2t)
     full = target_vocab_size is not None and n == target_vocab_size
     if n > 1 and not full and bool((d2t == 0).all()):
         out.append(
@@ -201,9 +222,7 @@ def check_d2t(
     """Raise `VocabError` (strict) or warn on a degenerate/inconsistent d2t (and t2d)."""
     problems = d2t_problems(d2t, target_vocab_size)
     if t2d is not None and not problems:
-        ids = torch.as_tensor(d2t).long() + torch.arange(torch.as_tensor(d2t).numel())
-        want = torch.zeros(torch.as_tensor(t2d).numel(), dtype=torch.bool)
-        want[ids] = True
+        want = t2d_from_ids(ids_from_d2t(d2t), torch.as_tensor(t2d).numel())
         if not torch.equal(want, torch.as_tensor(t2d).bool()):
             problems.append("t2d does not mark exactly the target ids that d2t maps to")
     if problems:

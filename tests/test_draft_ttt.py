@@ -1,0 +1,96 @@
+"""The TTT unroll: step-mask alignment, step statistics (simulated τ via metrics), sampled unroll."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workbench.draft.ttt import TTTModel, sample_positions, step_masks, subsample_masks, summarize
+
+
+def test_step_masks_alignment():
+    lm = torch.tensor([[0, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)  # last token is padding
+    inv = torch.tensor([[1, 1, 1, 0, 1, 1, 1]], dtype=torch.bool)
+    b = {"loss_mask": lm, "in_vocab": inv}
+    m = step_masks(b, 3)
+    # step 0, t: tok[t+2] assistant and argmax at t+1 in vocab
+    assert m[0].tolist() == [[True, True, False, True, False, False]]
+    assert m[1].tolist() == [[True, False, True, False, False]]  # tok[t+3] and argmax at t+2
+    assert m[2].tolist() == [[False, True, False, False]]
+
+
+def test_summarize_conditional_acceptance_and_tau():
+    st = torch.tensor([[0, 8, 10, 8, 10], [0, 5, 10, 4, 8], [0, 1, 10, 1, 4]], dtype=torch.float)
+    s = summarize(st)
+    assert s["acc"] == [0.8, 0.5, 0.1] and s["a"] == [0.8, 0.5, 0.25]
+    assert abs(s["tau"] - (1 + 0.8 + 0.4 + 0.1)) < 1e-9
+
+
+def test_summarize_counts_out_of_vocab_targets_as_misses():
+    # step 0: 8 of 10 in-vocab right; 12 positions in all (2 targets outside the draft vocab)
+    st = torch.tensor(
+        [[0, 8, 10, 8, 10, 8, 12, 8, 12], [0, 4, 10, 4, 8, 4, 12, 4, 8]], dtype=torch.float
+    )
+    s = summarize(st)
+    assert s["acc"] == [0.8, 0.4] and s["acc_all"] == [8 / 12, 4 / 12]
+    assert s["a_all"] == [8 / 12, 0.5] and abs(s["tau_all"] - (1 + 8 / 12 + 4 / 12)) < 1e-9
+    assert abs(s["in_vocab"] - 10 / 12) < 1e-9
+    assert "acc_all" not in summarize(st[:, :5])  # training stats: in-vocab figures only
+
+
+def test_subsampled_unroll_equals_full_unroll_at_the_sampled_positions():
+    """ttt_sample < 1: steps >= 1 unroll a subset of positions. Their loss, metrics and
+    gradients must equal the full unroll restricted (by mask) to the same positions."""
+    from test_draft_model import tiny_draft
+
+    torch.manual_seed(3)
+    d = tiny_draft(dvocab=64).double()
+    B, T, K = 3, 17, 4
+    batch = {
+        "input_ids": torch.randint(0, 256, (B, T)),
+        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
+        "loss_mask": torch.rand(B, T) < 0.8,
+        "in_vocab": torch.rand(B, T) < 0.9,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+    batch["loss_mask"][2, 12:] = False  # a short row
+    tl = torch.randn(B, T, 64, dtype=torch.float64)
+    model = TTTModel(d, K, 0.8)
+    masks = step_masks(batch, K)
+    idx = sample_positions(masks[1], 0.3)
+    assert idx.shape == (B, math.ceil(0.3 * T)) and (idx.diff(dim=1) > 0).all()
+    # valid step-1 positions are taken first
+    for b in range(B):
+        assert masks[1][b, idx[b]].sum() == min(idx.shape[1], int(masks[1][b].sum()))
+    sub = subsample_masks(masks, idx)
+    # the full unroll with steps >= 1 masked down to the sampled positions
+    restricted = [masks[0]]
+    for m in masks[1:]:
+        keep = torch.zeros_like(m)
+        for b in range(B):
+            keep[b, idx[b][idx[b] < m.shape[1]]] = True
+        restricted.append(m & keep)
+    denom = torch.stack([m.sum() for m in sub]).double()
+    assert torch.equal(denom, torch.stack([m.sum() for m in restricted]).double())
+
+    def run(masks_, idx_):
+        d.zero_grad()
+        loss, st = model(batch, tl, masks_, denom, idx=idx_)
+        loss.backward()
+        return loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}
+
+    l_full, st_full, g_full = run(restricted, None)
+    l_sub, st_sub, g_sub = run(sub, idx)
+    assert torch.allclose(l_full, l_sub, atol=1e-10)
+    assert torch.allclose(st_full, st_sub, atol=1e-9)
+    for k in g_full:
+        assert torch.allclose(g_full[k], g_sub[k], atol=1e-9), k
+
+
+def test_loss_on_all_tokens_widens_the_mask_only():
+    lm = torch.tensor([[0, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    b = {"loss_mask": lm, "in_vocab": torch.ones(1, 7, dtype=torch.bool)}
+    b["token_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert step_masks(b, 1)[0].tolist() == [[False, True, True, True, False, False]]
+    assert step_masks(b, 1, all_tokens=True)[0].tolist() == [[True, True, True, True, False, False]]

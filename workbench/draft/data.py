@@ -1,0 +1,238 @@
+"""Capture → training batches: the capture/target guard rails, the target's head (logits
+and the full-vocab argmax, cached), the held-out split, epoch batching and collation.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.draft.errors import TrainError
+from workbench.fsutil import atomic_write_bytes
+from workbench.layers import CANONICAL, LayerIds, validate
+
+
+def open_capture(path: str | os.PathLike, verify: bool = False):
+    from workbench.capture import CaptureReader
+
+    return CaptureReader(path, verify=verify)
+
+
+def check_capture(reader: Any, target: Any, layer_ids: LayerIds | None = None) -> LayerIds:
+    """Refuse a capture made with another target, layer wiring or hidden size; say what differs."""
+    man = reader.manifest
+    t = man.get("target", {})
+    problems = []
+    if reader.target_fingerprint != target.fingerprint:
+        problems.append(
+            f"target fingerprint: capture {reader.target_fingerprint} ({t.get('name')}), "
+            f"given target {target.fingerprint} ({target.name})"
+        )
+    cap_ids = reader.layer_ids
+    if cap_ids.convention != CANONICAL:
+        problems.append(
+            f"layer convention: capture stores {cap_ids} but training expects {CANONICAL} ids"
+        )
+    else:
+        try:
+            validate(cap_ids, target.num_layers)
+        except ValueError as e:
+            problems.append(f"layer ids: {e}")
+    if layer_ids is not None:
+        if not isinstance(layer_ids, LayerIds):
+            raise TypeError(
+                f"layer_ids must be LayerIds (ids with their convention), got {layer_ids!r}"
+            )
+        want = layer_ids
+        try:
+            validate(want, target.num_layers)
+        except ValueError as e:
+            problems.append(f"requested layer ids: {e}")
+        if want.canonical != cap_ids.canonical:
+            problems.append(
+                f"layer ids: capture has {list(cap_ids.canonical)} ({CANONICAL}), requested "
+                f"{list(want.canonical)} ({CANONICAL}; given as {want})"
+            )
+    for key, have in (
+        ("hidden_size", man.get("hidden_size")),
+        ("target.hidden_size", t.get("hidden_size")),
+    ):
+        if have is not None and int(have) != target.hidden_size:
+            problems.append(
+                f"hidden size: capture {key}={have}, target hidden_size={target.hidden_size}"
+            )
+    if t.get("vocab_size") is not None and int(t["vocab_size"]) != target.vocab_size:
+        problems.append(f"vocab size: capture {t['vocab_size']}, target {target.vocab_size}")
+    if len(reader) > 0 and not problems:
+        s = reader[0]
+        k, H = len(cap_ids.ids), target.hidden_size
+        if s["aux_hidden"].shape[-1] != k * H or s["last_hidden"].shape[-1] != H:
+            problems.append(
+                f"hidden size: capture rows have aux width {s['aux_hidden'].shape[-1]} and last "
+                f"width {s['last_hidden'].shape[-1]}; {k} aux layers x hidden {H} needs {k * H} and {H}"
+            )
+    if problems:
+        raise TrainError(
+            "capture does not match the target:\n  "
+            + "\n  ".join(problems)
+            + "\nRecapture with this target, or train against the target the capture was made with."
+        )
+    return cap_ids
+
+
+# ---------------------------------------------------------------- target head
+
+
+class TargetHead:
+    """Target final norm + lm_head: recomputes target logits from the stored pre-norm state."""
+
+    def __init__(
+        self, target_model: nn.Module, draft_ids: torch.Tensor, device: torch.device
+    ) -> None:
+        inner = getattr(target_model, "model", target_model)
+        self.norm_w = inner.norm.weight.detach().float().to(device)
+        self.eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
+        self.full = (
+            target_model.get_output_embeddings().weight.detach().float()
+        )  # stays where it is
+        self.rows = self.full[draft_ids.to(self.full.device)].to(device)
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.float()
+        return self.norm_w.to(h.device) * (
+            h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        )
+
+    @torch.no_grad()
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.normed(h) @ self.rows.T
+
+    @torch.no_grad()
+    def argmax(self, h: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """Full-vocab argmax per row (chunked: a [T, V] logit block at a time)."""
+        out = []
+        W = self.full
+        for a in range(0, h.shape[0], chunk):
+            out.append((self.normed(h[a : a + chunk].to(W.device)) @ W.T).argmax(-1))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def target_argmax(
+    reader: Any,
+    head: TargetHead,
+    indices: list[int],
+    cache: Path | None,
+    key: dict,
+    progress: bool = False,
+) -> dict[int, torch.Tensor]:
+    """Target argmax ids per sample (int32), cached on disk: the 'in draft vocab' filter."""
+    if cache is not None and cache.is_file():
+        try:  # tensors and plain data only: a cache file can never run code
+            blob = torch.load(cache, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise TrainError(
+                f"{cache}: refusing to load: it needs Python objects beyond tensors (loading it "
+                f"could run code); delete it and rerun to rebuild the cache ({str(e)[:200]})"
+            ) from None
+        if blob.get("key") == key:
+            return blob["argmax"]
+    from workbench.progress import progress as tqdm
+
+    out = {}
+    for i in tqdm(indices, desc="target argmax", disable=not progress, leave=False):
+        out[i] = head.argmax(reader[i]["last_hidden"]).to(torch.int32)
+    if cache is not None:
+        buf = io.BytesIO()
+        torch.save({"key": key, "argmax": out}, buf)
+        atomic_write_bytes(cache, buf.getvalue())
+    return out
+
+
+# ---------------------------------------------------------------- data
+
+
+def split_indices(
+    n: int, val_fraction: float, val_max: int, seed: int, groups: list[str] | None = None
+) -> tuple[list[int], list[int]]:
+    """Deterministic train/held-out split of sample indices.
+
+    With `groups` (one name per sample), whole groups go to one side: two answers to the
+    same prompt in train and held-out would flatter the held-out accuracy.
+    """
+    g = torch.Generator().manual_seed(seed + 7919)
+    n_val = min(val_max, int(round(n * val_fraction))) if n > 1 else 0
+    n_val = max(n_val, 1) if val_fraction > 0 and n > 1 else n_val
+    if groups is None:
+        perm = torch.randperm(n, generator=g).tolist()
+        return sorted(perm[n_val:]), sorted(perm[:n_val])
+    members: dict[str, list[int]] = {}
+    for i, name in enumerate(groups):
+        members.setdefault(name, []).append(i)
+    names = list(members)
+    val: list[int] = []
+    for j in torch.randperm(len(names), generator=g).tolist():
+        if len(val) >= n_val or len(val) + len(members[names[j]]) >= n:
+            break
+        val += members[names[j]]
+    held = set(val)
+    return [i for i in range(n) if i not in held], sorted(val)
+
+
+def epoch_batches(
+    train_idx: list[int], lengths: list[int], batch_size: int, epoch: int, seed: int
+) -> list[list[int]]:
+    """Batches for one epoch: shuffled, length-bucketed within chunks of 16 batches."""
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = [train_idx[j] for j in torch.randperm(len(train_idx), generator=g).tolist()]
+    chunk = batch_size * 16
+    batches = []
+    for a in range(0, len(order), chunk):
+        part = sorted(order[a : a + chunk], key=lambda i: lengths[i])
+        batches += [part[b : b + batch_size] for b in range(0, len(part), batch_size)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[j] for j in perm]
+
+
+def collate(
+    reader: Any,
+    indices: list[int],
+    argmax: dict[int, torch.Tensor],
+    t2d: torch.Tensor,
+    max_len: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch; right padding needs no attention mask under causal attention."""
+    samples = [reader[i] for i in indices]
+    T = min(max_len, max(int(s["input_ids"].numel()) for s in samples))
+    B = len(samples)
+    k_h = samples[0]["aux_hidden"].shape[-1]
+    H = samples[0]["last_hidden"].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    lmask = torch.zeros(B, T, dtype=torch.bool)
+    tmask = torch.zeros(B, T, dtype=torch.bool)
+    inv = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, k_h)
+    last = torch.zeros(B, T, H)
+    for b, (i, s) in enumerate(zip(indices, samples, strict=True)):
+        n = min(T, s["input_ids"].numel())
+        ids[b, :n] = s["input_ids"][:n]
+        lmask[b, :n] = s["loss_mask"][:n].bool()
+        tmask[b, :n] = True
+        inv[b, :n] = t2d[argmax[i][:n].long()]
+        aux[b, :n] = s["aux_hidden"][:n].float()
+        last[b, :n] = s["last_hidden"][:n].float()
+    out = {
+        "input_ids": ids,
+        "loss_mask": lmask,
+        "token_mask": tmask,
+        "in_vocab": inv,
+        "aux_hidden": aux,
+        "last_hidden": last,
+    }
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
