@@ -189,3 +189,113 @@ def test_extra_sampled_answers_follow_greedy_ones(tiny_target, tmp_path):
         regenerate(
             tiny_target, prompts, tmp_path / "x", RegenConfig(samples=2, sample_temperature=0)
         )
+
+
+def test_import_refuses_silent_coercions_with_line_numbers(tmp_path):
+    good = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
+    lines = [
+        json.dumps(good),
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": None}]}),
+        json.dumps({"conversations": [{"from": "human", "value": 42}]}),
+        json.dumps({"turns": ["q"], "answers": "not a list"}),
+        json.dumps({"turns": ["q"], "answers": [None]}),
+        json.dumps({"turns": ["q"], "system": ["be brief"]}),
+        json.dumps({"turns": ["q"], "answers": ["a", "b"]}),
+        json.dumps({"turns": ["q"], "answers": ["a"], "system": "be brief"}),
+    ]  # fmt: skip
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    prompts, report = import_jsonl(f)
+    bad = dict(report.errors)
+    assert set(bad) == {2, 3, 4, 5, 6, 7} and report.kept == 2
+    assert "conversations[1].value must be a string, got null" in bad[2]
+    assert "got int" in bad[3]
+    assert "'answers' must be a list of strings" in bad[4] and bad[5] == bad[4]
+    assert "'system' must be a string, got list" in bad[6]
+    assert "2 'answers' for 1 'turns'" in bad[7]
+    assert "None" not in "".join(p.answers[0] for p in prompts)
+    assert prompts[1].system == "be brief"
+
+
+def test_non_utf8_line_rejects_only_itself(tmp_path):
+    good = json.dumps({"turns": ["caf\u00e9?"], "answers": ["oui"]}).encode()
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(good + b"\n" + '{"turns": ["caf\xe9"]}'.encode("latin-1") + b"\n" + good + b"\n")
+    prompts, report = import_jsonl(f)
+    assert report.kept == 2 and [n for n, _ in report.errors] == [2]
+    assert "not UTF-8 (byte 0xe9" in report.errors[0][1]
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    res = CliRunner().invoke(app, ["import-data", str(f)])
+    assert res.exit_code == 0 and "kept 2" in res.output and "line 2: not UTF-8" in res.output
+
+
+def test_bad_regeneration_arguments_are_refused_before_anything_is_written(
+    tiny_target_dir, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+    from workbench.data import check_n, select
+
+    for kw, frag in (
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": -3}, "max_new_tokens=-3"),
+        ({"dtype": "foo"}, "unknown generation dtype 'foo'"),
+        ({"batch_size": 0}, "batch_size=0"),
+        ({"top_p": 0}, "top_p=0"),
+        ({"samples": 2, "sample_temperature": 0}, "sample_temperature > 0"),
+    ):
+        with pytest.raises(DataError, match=re.escape(frag)):
+            RegenConfig(**kw)
+    with pytest.raises(DataError, match="--n -1"):
+        check_n(-1)
+    with pytest.raises(DataError, match="--n -1"):
+        select(load_train_prompts(), -1)
+    out = tmp_path / "regen"
+    base = ["regenerate", "--target", str(tiny_target_dir), "--out", str(out), "--n", "2"]
+    for extra, frag in (
+        (["--dtype", "foo"], "unknown generation dtype 'foo'"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["--n", "-1"], "--n -1"),
+    ):
+        res = CliRunner().invoke(app, base + extra)
+        assert res.exit_code == 2 and res.stderr.startswith("error: "), res.output
+        assert res.stderr.count("\n") == 1 and frag in res.stderr, res.stderr
+        assert not out.exists()
+    res = CliRunner().invoke(app, base + ["--max-new-tokens", "3", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    assert len(read_regenerated(out)) == 2
+
+
+def test_regeneration_builds_the_llama_once_and_locks_its_folder(
+    tiny_target, tmp_path, monkeypatch
+):
+    import os
+
+    import workbench.llama as llama
+    from workbench.errors import InUseError
+    from workbench.fsutil import locked_dir
+
+    built = []
+    real_init = llama.Llama.__init__
+
+    def counting_init(self, *a, **k):
+        built.append(1)
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(llama.Llama, "__init__", counting_init)
+    prompts = [Prompt(f"p{i}", "t", [f"Say {i}.", "Again?"]) for i in range(4)]
+    cfg = RegenConfig(max_new_tokens=3, chunk_size=2, batch_size=4, dtype="float32", samples=2)
+    regenerate(tiny_target, prompts, tmp_path / "r", cfg, progress=False)
+    assert len(built) == 1  # 4 chunks x 2 turns x (greedy, sampled): one build
+    built.clear()
+    regenerate(tiny_target, prompts, tmp_path / "r", cfg, progress=False)  # all done: none
+    assert built == []
+    with locked_dir(tmp_path / "r", "regeneration folder"):
+        with pytest.raises(
+            InUseError, match=rf"regeneration folder .* in use by pid {os.getpid()}"
+        ):
+            regenerate(tiny_target, prompts, tmp_path / "r", cfg, progress=False)

@@ -69,7 +69,7 @@ def test_validation_errors():
     with pytest.raises(LayerConventionError, match="fc takes 1152"):
         validate(LayerIds((1, 14, 26)), 30, fc_in_features=2 * 576, hidden_size=576)
     validate(LayerIds((1, 14, 26)), 30, fc_in_features=3 * 576, hidden_size=576)
-    with pytest.raises(LayerConventionError, match="at least 5"):
+    with pytest.raises(LayerConventionError, match="at least 7"):
         default_layer_ids(4)
 
 
@@ -90,3 +90,32 @@ def test_parse_layer_spec():
     with pytest.raises(LayerConventionError, match="comma-separated"):
         parse_layer_spec("1;2", 30)
     assert parse_layer_spec(None, 61, INPUT_OF_LAYER).ids == (2, 30, 58)
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_default_ids_on_small_targets_are_refused_not_duplicated(n):
+    # [1, N//2-1, N-4] is [1, 1, 1] at N=5 and [1, 2, 2] at N=6.
+    with pytest.raises(LayerConventionError, match=rf"at least 7 decoder layers.*has {n}"):
+        default_layer_ids(n)
+    with pytest.raises(LayerConventionError, match="explicit ids"):
+        parse_layer_spec("default", n)
+    assert default_layer_ids(7).ids == (1, 2, 3)
+
+
+def test_hf_index_of_the_final_norm_output_warns():
+    with pytest.warns(UserWarning, match="hf_hidden_states_index 30 is the final norm's output"):
+        ids = parse_layer_spec("2,15,30", 30, HF_HIDDEN_STATES_INDEX)
+    assert ids.canonical == (1, 14, 29)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_layer_spec("2,15,29", 30, HF_HIDDEN_STATES_INDEX)
+        parse_layer_spec("1,14,29", 30, OUTPUT_OF_LAYER)
+        parse_layer_spec("2,15,30", 30, INPUT_OF_LAYER)
+
+
+def test_layer_errors_are_workbench_errors():
+    from workbench.errors import WorkbenchError
+
+    assert issubclass(LayerConventionError, WorkbenchError)

@@ -99,3 +99,96 @@ def test_embedded_default_second_load_is_fast(embedded_dir):
     assert fp == fingerprint_dir(embedded_dir)
     assert resolve_target_dir(EMBEDDED_NAME)[1] == embedded_dir
     print(f"embedded reload: {float(load_s):.2f}s in-process, {wall:.1f}s with interpreter start")
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_line_error(res, *fragments):
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
+    for f in fragments:
+        assert f in res.stderr, res.stderr
+
+
+def test_info_on_bad_targets_is_one_line(tmp_path):
+    _one_line_error(_cli("info", "--target", str(tmp_path / "nope")), "not found")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    (empty / "model.safetensors").write_bytes(b"")
+    _one_line_error(_cli("info", "--target", str(empty)), "no 'model_type' key")
+    (empty / "config.json").write_text("{not json")
+    _one_line_error(_cli("info", "--target", str(empty)), "unreadable config.json")
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (empty / "model.safetensors").write_bytes(b"garbage")
+    _one_line_error(_cli("info", "--target", str(empty)), "cannot load as an HF causal LM")
+
+
+def test_bad_dtype_and_missing_gpu_are_refused_before_loading(tiny_target_dir):
+    import torch
+
+    with pytest.raises(TargetError, match="unknown target dtype 'foo'"):
+        load_target(tiny_target_dir, dtype="foo")
+    with pytest.raises(TargetError, match="unknown device 'tpu'"):
+        load_target(tiny_target_dir, device="tpu")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TargetError, match="no CUDA GPU"):
+        load_target(tiny_target_dir, device="cuda")
+    res = _cli("capture", "--target", str(tiny_target_dir), "--out", "/nonexistent/x",
+               "--device", "cuda")  # fmt: skip
+    _one_line_error(res, "--device cuda: no CUDA GPU")
+
+
+def test_fingerprint_cache_lives_under_workbench_home(tiny_target_dir, tmp_path, monkeypatch):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_target_dir, model)
+    before = sorted(p.name for p in model.iterdir())
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path / "home"))
+    fp = fingerprint_dir(model)
+    assert sorted(p.name for p in model.iterdir()) == before  # nothing written into the model
+    cached = list((tmp_path / "home" / "fingerprints").glob("model-*.json"))
+    assert len(cached) == 1 and fingerprint_dir(model) == fp
+    model.chmod(0o555)  # a read-only model folder fingerprints all the same
+    try:
+        assert fingerprint_dir(model) == fp
+    finally:
+        model.chmod(0o755)
+
+
+# ---------------------------------------------------------------- CLI: one catch, one line
+
+
+def test_malformed_parameter_yaml_and_unclosed_serving_quote_are_one_line(tmp_path):
+    from workbench.audit import parse_serving
+    from workbench.errors import WorkbenchError
+
+    bad = tmp_path / "p.yaml"
+    bad.write_text("n_prompts: [1, 2\nmax_new_tokens: 5\n")
+    nb = str(tmp_path / "x.ipynb")
+    _one_line_error(_cli("run", nb, "-f", str(bad)), f"parameters file {bad}: malformed YAML")
+    bad.write_text("- just\n- a list\n")
+    _one_line_error(_cli("run", nb, "-f", str(bad)), "must hold a mapping", "got a list")
+    _one_line_error(_cli("run", nb, "-f", str(tmp_path / "none.yaml")), "cannot read it")
+    with pytest.raises(WorkbenchError, match="cannot split it .*closing quotation"):
+        parse_serving('python -m sglang.launch_server --model-path "my model')
+
+
+def test_cli_has_one_error_handler():
+    """The repeated per-command exception tuples are gone: one WorkbenchError catch remains."""
+    import re
+    from pathlib import Path
+
+    import workbench.cli
+
+    src = Path(workbench.cli.__file__).read_text()
+    assert src.count("except WorkbenchError") == 1
+    assert not re.findall(r"except \([^)]*Error", src)

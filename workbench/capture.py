@@ -5,10 +5,16 @@ Forward hooks on the decoder layers record the pre-norm residual stream at the a
 from which training recomputes target logits with the final norm + lm_head). Only the base
 model runs: no lm_head, no `output_hidden_states` for all layers.
 
-Layout: `capture-args.json` (claimed at start), `shard-NNNNN.safetensors` (each written to
-a temp name, fsynced, renamed: a shard exists only when complete), `manifest.json` (last).
-Shard i always holds samples [i*S, (i+1)*S), so a killed run resumed with the same
-arguments gives the same bytes as an uninterrupted one.
+Layout: `capture-args.json` (claimed at start, after the arguments are validated),
+`hashes.json` (each shard's sha256, recorded just before the shard is written),
+`shard-NNNNN.safetensors` (each written to a temp name, fsynced, renamed: a shard exists only
+when complete; its metadata records its layer ids), `manifest.json` (last). Shard i always
+holds samples [i*S, (i+1)*S), so a killed run resumed with the same arguments gives the same
+bytes as an uninterrupted one. A rerun re-verifies the shards it finds against their recorded
+hashes instead of trusting them, and `.workbench.lock` keeps a second writer out.
+
+Readers verify every shard's sha256 by default (`CaptureReader(verify=True)`): hashing reads
+each shard once (about a second per GB), small next to an epoch over the same bytes.
 """
 
 from __future__ import annotations
@@ -17,22 +23,39 @@ import bisect
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from workbench.fsutil import atomic_write_bytes, atomic_write_json, claim_dir, sha256_file
+from workbench.errors import WorkbenchError
+from workbench.fsutil import (
+    atomic_write_bytes,
+    atomic_write_json,
+    claim_dir,
+    locked_dir,
+    sha256_file,
+)
 from workbench.layers import CANONICAL, LayerConventionError, LayerIds, validate
-from workbench.reports import git_facts, package_versions
+from workbench.provenance import git_facts, package_versions
 
 FORMAT_VERSION = 1
+HASHES_FILE = "hashes.json"
+# Shard metadata: one key (safetensors orders several keys at random, which would make the
+# bytes of a resumed capture differ) holding {"layer_ids": canonical LayerIds, "norm_stats"}.
+# Shards from before layer ids were recorded hold only "workbench_norm_stats".
+_META = "workbench"
+_META_OLD_STATS = "workbench_norm_stats"
 _HIST_EDGES = torch.logspace(-2, 5, 141)  # token-norm histogram bins (0.01 .. 1e5)
 
 
-class CaptureError(ValueError):
+class CaptureError(WorkbenchError):
     """A capture directory is incomplete, corrupt, or was made with other arguments."""
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -43,11 +66,19 @@ class CaptureConfig:
     samples_per_shard: int = 256
     batch_tokens: int = 8192  # padded tokens per forward batch
 
+    def __post_init__(self) -> None:
+        """Refuse bad arguments at construction, before a folder records them."""
+        if not isinstance(self.layer_ids, LayerIds):
+            raise CaptureError(
+                f"layer_ids must be LayerIds (ids + convention), got {self.layer_ids!r}"
+            )
+        _storage_dtype(self.dtype)
+        for name in ("max_length", "samples_per_shard", "batch_tokens"):
+            if getattr(self, name) < 1:
+                raise CaptureError(f"{name}={getattr(self, name)}: must be at least 1")
+
 
 # ---------------------------------------------------------------- small utilities
-
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _storage_dtype(name: str) -> torch.dtype:
@@ -195,8 +226,12 @@ def write_shard(
     cfg: CaptureConfig,
     path: Path,
     recorder: AuxRecorder,
+    hashes: dict[str, str] | None = None,
 ) -> dict:
-    """Capture one shard and write it atomically; returns its entry for the manifest."""
+    """Capture one shard and write it atomically; returns its entry for the manifest.
+
+    `hashes` (file name -> sha256, the capture's `hashes.json`) gets this shard's hash,
+    saved before the shard itself."""
     from safetensors.torch import save
 
     dtype = _storage_dtype(cfg.dtype)
@@ -221,11 +256,16 @@ def write_shard(
         "aux_hidden": aux.contiguous(),
         "last_hidden": last.contiguous(),
     }
-    data = save(tensors, metadata={"workbench_norm_stats": json.dumps(stats)})
+    meta = {"layer_ids": cfg.layer_ids.to(CANONICAL).to_dict(), "norm_stats": stats}
+    data = save(tensors, metadata={_META: json.dumps(meta, sort_keys=True)})
+    sha = hashlib.sha256(data).hexdigest()
+    if hashes is not None:  # recorded first: every shard on disk has a hash to check against
+        hashes[path.name] = sha
+        atomic_write_json(path.parent / HASHES_FILE, hashes)
     atomic_write_bytes(path, data)
     return {
         "file": path.name,
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "sha256": sha,
         "num_samples": len(samples),
         "num_tokens": int(ids.numel()),
         "num_loss_tokens": int(mask.sum()),
@@ -245,17 +285,29 @@ def capture(
 
     `conversations` are message lists ending with assistant turns (see data.Prompt.messages).
     `groups` (one name per conversation, e.g. the prompt id) keeps several answers to one
-    prompt on the same side of training's held-out split.
+    prompt on the same side of training's held-out split. Everything is validated before the
+    folder is touched; the folder is locked against a second writer while this runs.
     """
+    validate(cfg.layer_ids, target.num_layers)
+    if groups is not None and len(groups) != len(conversations):
+        raise CaptureError(f"{len(groups)} groups for {len(conversations)} conversations")
+    with locked_dir(out_dir, "capture folder"):
+        return _capture(target, conversations, Path(out_dir), cfg, prompt_set, progress, groups)
+
+
+def _capture(
+    target,
+    conversations: list,
+    out: Path,
+    cfg: CaptureConfig,
+    prompt_set: dict | None,
+    progress: bool,
+    groups: list[str] | None,
+) -> dict:
     from workbench.data import encode_conversation
     from workbench.progress import progress as tqdm
     from workbench.target import tokenizer_hash
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    validate(cfg.layer_ids, target.num_layers)
-    if groups is not None and len(groups) != len(conversations):
-        raise CaptureError(f"{len(groups)} groups for {len(conversations)} conversations")
     layer_ids = cfg.layer_ids.to(CANONICAL)
     encoded = [
         encode_conversation(target.tokenizer, msgs, cfg.max_length) for msgs in conversations
@@ -276,6 +328,7 @@ def capture(
             f"{out} holds a capture made with different arguments:\n{diff}\n"
             "Rerun with the original arguments to resume, or capture into a new directory."
         )
+    hashes = _recorded_hashes(out)
     S = cfg.samples_per_shard
     n_shards = (len(encoded) + S - 1) // S
     total_tokens = sum(len(e[0]) for e in encoded)
@@ -288,9 +341,9 @@ def capture(
             chunk = encoded[si * S : (si + 1) * S]
             path = out / _shard_name(si)
             if path.exists():
-                entries.append(_entry_from_existing(path, len(chunk)))
+                entries.append(_entry_from_existing(path, len(chunk), hashes.get(path.name)))
             else:
-                entries.append(write_shard(target, chunk, cfg, path, rec))
+                entries.append(write_shard(target, chunk, cfg, path, rec, hashes))
             bar.update(sum(len(e[0]) for e in chunk))
     bar.close()
     stats_parts: dict[str, list] = {}
@@ -324,10 +377,44 @@ def capture(
     return manifest
 
 
-def _entry_from_existing(path: Path, n_samples: int) -> dict:
+def _recorded_hashes(out: Path) -> dict[str, str]:
+    """Shard hashes known from earlier runs into `out`: `hashes.json`, and the shards of
+    a finished capture's manifest (captures made before the hashes file existed)."""
+    known: dict[str, str] = {}
+    for f in (out / "manifest.json", out / HASHES_FILE):
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text())
+        except ValueError as e:
+            raise CaptureError(
+                f"{f}: unreadable ({e}); it records the shards' hashes: move the folder aside "
+                "and capture again"
+            ) from e
+        if f.name == "manifest.json":
+            data = {e["file"]: e["sha256"] for e in data.get("shards", [])}
+        for name, sha in data.items():
+            if known.get(name, sha) != sha:
+                raise CaptureError(
+                    f"{out}: manifest.json and {HASHES_FILE} record different hashes for {name}; "
+                    "delete that shard and rerun to recapture it"
+                )
+            known[name] = sha
+    return known
+
+
+def _entry_from_existing(path: Path, n_samples: int, recorded: str | None) -> dict:
+    """Manifest entry of a shard an earlier run wrote, checked against the hash it recorded
+    (a rerun must never adopt a corrupted shard's hash)."""
     from safetensors import safe_open
 
     data = path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    if recorded is not None and sha != recorded:
+        raise CaptureError(
+            f"{path}: checksum mismatch (sha256 {sha[:12]}…, recorded when written "
+            f"{recorded[:12]}…): the shard is corrupt; delete it and rerun to recapture it"
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             mask = f.get_tensor("loss_mask")
@@ -338,7 +425,7 @@ def _entry_from_existing(path: Path, n_samples: int) -> dict:
         ) from e
     return {
         "file": path.name,
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "sha256": sha,
         "num_samples": n_samples,
         "num_tokens": int(n_tok),
         "num_loss_tokens": int(mask.sum()),
@@ -349,7 +436,12 @@ def read_shard_stats(path: Path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["workbench_norm_stats"])
+        meta = f.metadata() or {}
+    if _META in meta:
+        return json.loads(meta[_META])["norm_stats"]
+    if _META_OLD_STATS in meta:
+        return json.loads(meta[_META_OLD_STATS])
+    raise CaptureError(f"{path}: shard has no workbench metadata; recapture it")
 
 
 # ---------------------------------------------------------------- reader
@@ -359,9 +451,12 @@ class CaptureReader:
     """Memory-mapped access to a finished capture, one sample at a time.
 
     `r[i]` → dict(input_ids [T], loss_mask [T], aux_hidden [T, k*H], last_hidden [T, H]).
+    `verify` (default) checks every shard's sha256 against the manifest before use. Each
+    shard's recorded layer ids must equal the manifest's; shards from before ids were
+    recorded are read with the manifest's ids and one warning.
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = False):
+    def __init__(self, path: str | os.PathLike, verify: bool = True):
         from safetensors import safe_open
 
         self.path = Path(path)
@@ -389,6 +484,7 @@ class CaptureReader:
         self._files = []
         self._offsets = []
         self._starts = [0]
+        unlabelled = []
         for e in self.manifest["shards"]:
             p = self.path / e["file"]
             if not p.is_file():
@@ -405,9 +501,44 @@ class CaptureReader:
                 raise CaptureError(
                     f"{p}: holds {len(offs) - 1} samples, manifest says {e['num_samples']}"
                 )
+            if not self._shard_ids_match(p, f):
+                unlabelled.append(p.name)
             self._files.append(f)
             self._offsets.append(offs.tolist())
             self._starts.append(self._starts[-1] + e["num_samples"])
+        if unlabelled:
+            warnings.warn(
+                f"{self.path}: {len(unlabelled)} shard(s) ({unlabelled[0]}, ...) record no layer "
+                f"ids (captured by an older workbench); using manifest.json's {self.layer_ids} "
+                "unchecked. Re-capture to have them checked.",
+                stacklevel=2,
+            )
+
+    def _shard_ids_match(self, p: Path, f) -> bool:
+        """Refuse a shard whose layer ids or width disagree with the manifest; False when the
+        shard records no ids (older captures)."""
+        mine = self.layer_ids.to(CANONICAL)
+        width = f.get_slice("aux_hidden").get_shape()[-1]
+        if width != len(mine.ids) * self.hidden_size:
+            raise CaptureError(
+                f"{p}: aux_hidden is {width} wide = {width / self.hidden_size:g} layers of "
+                f"{self.hidden_size}, but manifest.json lists {len(mine.ids)} layer ids "
+                f"{list(mine.ids)}; the manifest does not describe this shard: recapture"
+            )
+        raw = (f.metadata() or {}).get(_META)
+        if raw is None:
+            return False
+        try:
+            theirs = LayerIds.from_dict(json.loads(raw).get("layer_ids")).to(CANONICAL)
+        except (ValueError, LayerConventionError) as ex:
+            raise CaptureError(f"{p}: unreadable layer ids in shard metadata ({ex})") from ex
+        if theirs != mine:
+            raise CaptureError(
+                f"{p}: shard was captured at layers {list(theirs.ids)} but manifest.json says "
+                f"{list(mine.ids)} ({CANONICAL}); the manifest was edited or mixes captures: "
+                "restore it or recapture"
+            )
+        return True
 
     def verify(self) -> None:
         """Check every shard's sha256 against the manifest (names the bad file)."""
@@ -460,19 +591,6 @@ class CaptureReader:
 
     def lengths(self) -> list[int]:
         return [offs[j + 1] - offs[j] for offs in self._offsets for j in range(len(offs) - 1)]
-
-    def token_ids(self, loss_only: bool = True) -> torch.Tensor:
-        """All input ids (optionally only under the loss mask): for vocab building."""
-        parts = []
-        for f in self._files:
-            ids = f.get_tensor("input_ids")
-            parts.append(ids[f.get_tensor("loss_mask")] if loss_only else ids)
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-    def config_dict(self) -> dict:
-        return asdict(
-            CaptureConfig(self.layer_ids, self.manifest["dtype"], self.manifest["max_length"])
-        )
 
 
 def summarize(reader: CaptureReader) -> dict:

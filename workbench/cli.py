@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperGroup
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+from workbench.errors import WorkbenchError
+
+
+class _Commands(TyperGroup):
+    """Runs every command under one catch: an error the user can fix (a `WorkbenchError`)
+    is printed as `error: <message>` on stderr with exit code 2; anything else is a bug and
+    keeps its traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except WorkbenchError as e:
+            _fail(str(e))
+
+
+app = typer.Typer(cls=_Commands, no_args_is_help=True, add_completion=False, help=__doc__)
 
 
 @app.command()
@@ -40,29 +56,23 @@ def regenerate(
     seed: int = typer.Option(0),
 ) -> None:
     """Have the target answer a prompt set with its chat template (the data EAGLE-3 trains on)."""
-    from workbench.data import DataError, RegenConfig, load_prompt_set, select
+    from workbench.data import RegenConfig, check_n, load_prompt_set, select
     from workbench.data import regenerate as regen
-    from workbench.target import TargetError, load_target
+    from workbench.target import load_target
 
-    try:
-        t = load_target(target)
-        ps = select(load_prompt_set(prompts), n or None)
-        info = regen(
-            t,
-            ps,
-            out,
-            RegenConfig(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                batch_size=batch_size,
-                dtype=dtype,
-                seed=seed,
-                samples=samples,
-                sample_temperature=sample_temperature,
-            ),
-        )
-    except (DataError, TargetError) as e:
-        _fail(str(e))
+    cfg = RegenConfig(  # validates before anything is loaded or written
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        dtype=dtype,
+        seed=seed,
+        samples=samples,
+        sample_temperature=sample_temperature,
+    )
+    check_n(n)
+    t = load_target(target)
+    ps = select(load_prompt_set(prompts), n or None)
+    info = regen(t, ps, out, cfg)
     typer.echo(
         f"regenerated {len(ps)} prompts into {out}: {info['new_tokens_this_run']} new tokens, "
         f"{info['tok_s']} tok/s"
@@ -101,40 +111,51 @@ def capture(
     """Capture aux hidden states (+ final hidden) into shards + manifest.json."""
     from pathlib import Path
 
-    from workbench.capture import CaptureConfig, CaptureError
+    from workbench.capture import CaptureConfig
     from workbench.capture import capture as run_capture
-    from workbench.data import DataError, RegenConfig, base_id, prepare_conversations
-    from workbench.layers import LayerConventionError, parse_layer_spec
-    from workbench.target import TargetError, load_target
+    from workbench.data import RegenConfig, base_id, check_n, prepare_conversations
+    from workbench.layers import parse_layer_spec
+    from workbench.target import load_target
 
-    try:
-        dm = "auto" if device == "auto" else None
-        t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
-        ids = parse_layer_spec(layers, t.num_layers, convention)
-        ps, info = prepare_conversations(
-            t,
-            prompts,
-            n or None,
-            regen_dir or Path(out) / "regen",
-            RegenConfig(
-                max_new_tokens=max_new_tokens,
-                samples=samples,
-                sample_temperature=sample_temperature,
-            ),
-        )
-        m = run_capture(
-            t,
-            [p.messages() for p in ps],
-            out,
-            CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens),
-            prompt_set=info,
-            groups=[base_id(p.id) for p in ps],
-        )
-    except (CaptureError, DataError, TargetError, LayerConventionError) as e:
-        _fail(str(e))
+    # Every argument is checked before anything is written (the regeneration comes first).
+    regen = RegenConfig(
+        max_new_tokens=max_new_tokens, samples=samples, sample_temperature=sample_temperature
+    )
+    check_n(n)
+    dm = "auto" if device == "auto" else None
+    t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
+    ids = parse_layer_spec(layers, t.num_layers, convention)
+    cfg = CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens)
+    ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen)
+    m = run_capture(
+        t,
+        [p.messages() for p in ps],
+        out,
+        cfg,
+        prompt_set=info,
+        groups=[base_id(p.id) for p in ps],
+    )
     typer.echo(
         f"captured {m['num_samples']} samples, {m['num_tokens']} tokens "
         f"({m['num_loss_tokens']} assistant) at layers {m['layer_ids']} into {out}"
+    )
+
+
+@app.command()
+def verify(capture_dir: str = typer.Argument(..., help="capture directory to check")) -> None:
+    """Check a capture: every shard's sha256 against the manifest and its layer ids.
+
+    Exits 2 naming the first bad shard; 0 when every shard is intact."""
+    import time
+
+    from workbench.capture import CaptureReader
+
+    t0 = time.perf_counter()
+    r = CaptureReader(capture_dir, verify=True)
+    size = sum((r.path / e["file"]).stat().st_size for e in r.manifest["shards"])
+    typer.echo(
+        f"{capture_dir}: {len(r.manifest['shards'])} shards ({size / 1e6:.1f} MB, {len(r)} "
+        f"samples, layers {r.layer_ids}) intact, checked in {time.perf_counter() - t0:.2f}s"
     )
 
 
@@ -143,15 +164,40 @@ def import_data(
     path: str = typer.Argument(..., help="JSONL in ShareGPT or OpenAI-messages form"),
 ) -> None:
     """Check a user data file: counts kept conversations and lists malformed lines."""
-    from workbench.data import DataError, import_jsonl
+    from workbench.data import import_jsonl
 
-    try:
-        _, report = import_jsonl(path)
-    except DataError as e:
-        _fail(str(e))
+    _, report = import_jsonl(path)
     typer.echo(report.summary())
     if report.kept == 0:
         raise typer.Exit(1)
+
+
+def _check_parameter_files(files: list[str]) -> None:
+    """Each -f file must exist and hold a YAML mapping; say which file and where it breaks."""
+    from pathlib import Path
+
+    import yaml
+
+    for f in files:
+        try:
+            data = yaml.safe_load(Path(f).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise WorkbenchError(f"parameters file {f}: cannot read it ({e.strerror})") from e
+        except UnicodeDecodeError as e:
+            raise WorkbenchError(f"parameters file {f}: not UTF-8 text ({e.reason})") from e
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise WorkbenchError(
+                f"parameters file {f}: malformed YAML{where} ({problem}); "
+                "expected a mapping of NAME: VALUE lines"
+            ) from e
+        if data is not None and not isinstance(data, dict):
+            raise WorkbenchError(
+                f"parameters file {f}: must hold a mapping of NAME: VALUE, "
+                f"got a {type(data).__name__}"
+            )
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -177,7 +223,7 @@ def run(
     """Execute NOTEBOOK with papermill into reports/<run-id>/ (+ HTML, run manifest, index).
 
     Parameters: -p NAME VALUE (repeatable; values parsed like papermill: int, float, bool, str)."""
-    from workbench.reports import NotebookFailed, UnknownParameters, load_parameters, run_notebook
+    from workbench.report import load_parameters, run_notebook
 
     if not notebook.endswith(".ipynb"):
         _fail(
@@ -189,19 +235,17 @@ def run(
         if flag not in ("-p", "--parameters") or len(extra) < 2:
             _fail(f"unexpected argument {flag!r}; parameters are given as -p NAME VALUE")
         pairs.append((extra.pop(0), extra.pop(0)))
-    try:
-        params = load_parameters(params_file, pairs)
-        r = run_notebook(
-            notebook,
-            params,
-            reports_dir,
-            run_id or None,
-            kernel or None,
-            progress_bar=True,
-            log_output=log_output,
-        )
-    except (UnknownParameters, NotebookFailed, FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+    _check_parameter_files(params_file)
+    params = load_parameters(params_file, pairs)
+    r = run_notebook(
+        notebook,
+        params,
+        reports_dir,
+        run_id or None,
+        kernel or None,
+        progress_bar=True,
+        log_output=log_output,
+    )
     typer.echo(f"{r.notebook}: {r.status} in {r.duration_s:.1f}s -> {r.html}")
     if r.figures:
         typer.echo("figures: " + ", ".join(f"{k}={v}" for k, v in r.figures.items()))
@@ -221,18 +265,9 @@ def pipeline(
 ) -> None:
     """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) as one report run."""
     from workbench.pipeline import stages
-    from workbench.reports import (
-        NotebookFailed,
-        UnknownParameters,
-        check_html_in_browser,
-        find_chromium,
-    )
-    from workbench.reports import run_pipeline as run_stages
+    from workbench.report import check_html_in_browser, find_chromium, run_stages
 
-    try:
-        results = run_stages(stages(profile, target), reports_dir, force=force, progress_bar=True)
-    except (UnknownParameters, NotebookFailed, ValueError, KeyError) as e:
-        _fail(str(e))
+    results = run_stages(stages(profile, target), reports_dir, force=force, progress_bar=True)
     typer.echo(
         f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results)
     )
@@ -253,7 +288,7 @@ def pipeline(
 @app.command()
 def index(reports_dir: str = typer.Option("reports", "--reports-dir")) -> None:
     """Regenerate reports/index.html from the run manifests."""
-    from workbench.reports import write_index
+    from workbench.report import write_index
 
     typer.echo(str(write_index(reports_dir)))
 
@@ -265,12 +300,9 @@ def compare(
     reports_dir: str = typer.Option("reports", "--reports-dir"),
 ) -> None:
     """Write reports/compare-A-vs-B.html: parameters and key figures side by side, diffs marked."""
-    from workbench.reports import compare_runs
+    from workbench.report import compare_runs
 
-    try:
-        typer.echo(str(compare_runs(run_a, run_b, reports_dir)))
-    except FileNotFoundError as e:
-        _fail(str(e))
+    typer.echo(str(compare_runs(run_a, run_b, reports_dir)))
 
 
 @app.command(
@@ -278,19 +310,12 @@ def compare(
     add_help_option=False,
 )
 def train(ctx: typer.Context) -> None:
-    """Train an EAGLE-3 draft (TTT, resumable): --capture DIR --out DIR [--profile quick|full] ...
+    """Train an EAGLE-3 draft (TTT, resumable): --capture DIR --out DIR [--preset quick|full] ...
 
     All options of `python -m workbench.draft.train` (see `workbench train --help`)."""
-    from workbench.capture import CaptureError
-    from workbench.draft.train import TrainError, main
-    from workbench.layers import LayerConventionError
-    from workbench.target import TargetError
+    from workbench.draft.train import main
 
-    try:
-        code = main(list(ctx.args))
-    except (TrainError, CaptureError, TargetError, LayerConventionError) as e:
-        _fail(str(e))
-    raise typer.Exit(code)
+    raise typer.Exit(main(list(ctx.args)))
 
 
 @app.command("export")
@@ -319,30 +344,23 @@ def export_draft(
     from workbench.draft.export import (
         FORMATS,
         SGLANG,
-        DraftImportError,
-        ExportError,
         export_sglang,
         export_speculators,
         reexport_provenance,
     )
     from workbench.draft.load import load_draft
-    from workbench.draft.train import TrainError
-    from workbench.layers import LayerConventionError
 
     if fmt not in FORMATS:
         _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt != SGLANG and not verifier:
         _fail("--format speculators needs --verifier (the target's hub id or path)")
-    try:
-        loaded = load_draft(draft)
-        d, prov, warns = loaded.draft, reexport_provenance(loaded), loaded.warnings
-        kw = dict(dtype=dtype or None, target_max_position_embeddings=target_max_positions or None)
-        if fmt == SGLANG:
-            path = export_sglang(d, out, prov, **kw)
-        else:
-            path = export_speculators(d, out, verifier, speculative_tokens, prov, **kw)
-    except (ExportError, DraftImportError, TrainError, LayerConventionError) as e:
-        _fail(str(e))
+    loaded = load_draft(draft)
+    d, prov, warns = loaded.draft, reexport_provenance(loaded), loaded.warnings
+    kw = dict(dtype=dtype or None, target_max_position_embeddings=target_max_positions or None)
+    if fmt == SGLANG:
+        path = export_sglang(d, out, prov, **kw)
+    else:
+        path = export_speculators(d, out, verifier, speculative_tokens, prov, **kw)
     for w in warns:
         typer.secho(f"warning (source): {w}", fg=typer.colors.YELLOW, err=True)
     ids = d.config.layer_ids
@@ -362,19 +380,14 @@ def import_draft_cmd(
     strict: bool = typer.Option(False, "--strict", help="exit 1 when anything is flagged"),
 ) -> None:
     """Load an outside draft for inspection: print its shape, wiring and what looks wrong."""
-    from workbench.draft.export import DraftImportError
     from workbench.draft.load import load_draft
-    from workbench.layers import LayerConventionError
 
-    try:
-        imp = load_draft(
-            path,
-            layer_convention=layer_convention or None,
-            layer_ids=layer_ids or None,
-            target_max_position_embeddings=target_max_positions or None,
-        )
-    except (DraftImportError, LayerConventionError) as e:
-        _fail(str(e))
+    imp = load_draft(
+        path,
+        layer_ids=layer_ids or None,
+        layer_convention=layer_convention or None,
+        target_max_position_embeddings=target_max_positions or None,
+    )
     typer.echo(imp.summary())
     if strict and imp.warnings:
         raise typer.Exit(1)
@@ -394,22 +407,13 @@ def audit(
     """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags).
 
     Prints every disagreement; exits 1 when any is an error."""
-    from workbench.draft.export import DraftImportError
-    from workbench.draft.train import TrainError
-    from workbench.inspect import config_audit, format_findings, has_errors
-    from workbench.layers import LayerConventionError
-    from workbench.target import TargetError, load_target
+    from workbench.audit import config_audit, format_findings, has_errors
+    from workbench.target import load_target
 
+    tgt = load_target(target) if target else None
     try:
-        tgt = load_target(target) if target else None
         findings = config_audit(draft, capture or None, serving or None, target=tgt)
-    except (
-        DraftImportError,
-        TrainError,
-        LayerConventionError,
-        TargetError,
-        FileNotFoundError,
-    ) as e:
+    except FileNotFoundError as e:  # a missing draft or capture path: not a WorkbenchError yet
         _fail(str(e))
     typer.echo(format_findings(findings))
     if has_errors(findings):

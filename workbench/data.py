@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.fsutil import atomic_write_text, claim_dir
+from workbench.errors import WorkbenchError
+from workbench.fsutil import atomic_write_text, claim_dir, locked_dir
 
 ASSETS = Path(__file__).parent / "assets"
 MTBENCH_FILE = (
@@ -39,7 +40,7 @@ BUILTIN_SETS = ("train", "mtbench", "humaneval")
 Message = dict[str, str]  # {"role": "system"|"user"|"assistant", "content": str}
 
 
-class DataError(ValueError):
+class DataError(WorkbenchError):
     """A prompt set or data file could not be read."""
 
 
@@ -155,12 +156,19 @@ def parse_record(rec: Any, pid: str) -> Prompt:
         ):
             raise DataError("'turns' must be a non-empty list of strings")
         answers = rec.get("answers", [])
+        if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
+            raise DataError("'answers' must be a list of strings (one per answered turn)")
+        if len(answers) > len(rec["turns"]):
+            raise DataError(f"{len(answers)} 'answers' for {len(rec['turns'])} 'turns'")
+        system = rec.get("system")
+        if system is not None and not isinstance(system, str):
+            raise DataError(f"'system' must be a string, got {type(system).__name__}")
         return Prompt(
             id=pid,
             category=category,
             turns=list(rec["turns"]),
             answers=list(answers),
-            system=rec.get("system"),
+            system=system,
         )
     if "messages" in rec:
         msgs = rec["messages"]
@@ -187,7 +195,10 @@ def parse_record(rec: Any, pid: str) -> Prompt:
             role = _SHAREGPT_ROLES.get(str(m["from"]).lower())
             if role is None:
                 raise DataError(f"conversations[{j}] has unknown speaker {m['from']!r}")
-            out.append({"role": role, "content": str(m["value"])})
+            if not isinstance(m["value"], str):
+                got = "null" if m["value"] is None else type(m["value"]).__name__
+                raise DataError(f"conversations[{j}].value must be a string, got {got}")
+            out.append({"role": role, "content": m["value"]})
         return _messages_to_prompt(pid, category, out)
     raise DataError("record has none of 'messages' (OpenAI), 'conversations' (ShareGPT) or 'turns'")
 
@@ -214,8 +225,13 @@ def import_jsonl(path: str | os.PathLike) -> tuple[list[Prompt], ImportReport]:
             f"{path}: no such file; expected a JSONL of ShareGPT or OpenAI-messages records"
         )
     prompts, errors = [], []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line: one bad byte rejects only its line
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                errors.append((n, f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"))
+                continue
             if not line.strip():
                 continue
             try:
@@ -263,7 +279,14 @@ def prompt_set_hash(prompts: list[Prompt]) -> str:
     return h.hexdigest()[:16]
 
 
+def check_n(n: int | None) -> None:
+    """`--n`: 0 or None means all prompts; a negative count is a mistake, not a slice."""
+    if n is not None and n < 0:
+        raise DataError(f"--n {n}: expected the number of prompts to use (0 = all)")
+
+
 def select(prompts: list[Prompt], n: int | None, first_turn_only: bool = False) -> list[Prompt]:
+    check_n(n)
     out = prompts[:n] if n else list(prompts)
     if first_turn_only:
         out = [Prompt(p.id, p.category, p.turns[:1], p.answers[:1], p.system) for p in out]
@@ -329,6 +352,9 @@ def eos_ids(tokenizer) -> list[int]:
 # ---------------------------------------------------------------- regeneration
 
 
+GENERATION_DTYPES = ("bfloat16", "float16", "float32")
+
+
 @dataclass
 class RegenConfig:
     max_new_tokens: int = 512
@@ -343,6 +369,27 @@ class RegenConfig:
     # `sample_temperature`/`top_p`; more distinct target text per prompt for the draft
     samples: int = 1
     sample_temperature: float = 0.8
+
+    def __post_init__(self) -> None:
+        """Refuse bad arguments at construction, before a folder records them."""
+        positive = ("max_new_tokens", "batch_size", "chunk_size", "max_prompt_tokens", "samples")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise DataError(f"{name}={getattr(self, name)}: must be at least 1")
+        if self.dtype not in GENERATION_DTYPES:
+            raise DataError(
+                f"unknown generation dtype {self.dtype!r}; expected one of {GENERATION_DTYPES}"
+            )
+        if self.temperature < 0 or self.sample_temperature < 0:
+            raise DataError("temperatures must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise DataError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.samples > 1 and self.sample_temperature <= 0:
+            raise DataError(
+                f"samples={self.samples} with sample_temperature={self.sample_temperature}: "
+                "greedy extra answers would repeat the first one; set sample_temperature > 0 "
+                "(e.g. 0.8)"
+            )
 
 
 SAMPLE_SEP = "@sample"  # id of the extra answers: "<prompt id>@sample1", ...
@@ -376,19 +423,16 @@ def regenerate(
     (arguments, counts, tokens/s). A rerun with the same arguments skips finished chunks;
     different arguments into the same directory are refused.
     """
+    cfg = cfg or RegenConfig()
+    with locked_dir(out_dir, "regeneration folder"):
+        return _regenerate(target, prompts, Path(out_dir), cfg, progress)
+
+
+def _regenerate(target, prompts: list[Prompt], out: Path, cfg: RegenConfig, progress: bool) -> dict:
     from workbench.generate import generate_batch
+    from workbench.llama import Llama
     from workbench.progress import progress as tqdm
 
-    cfg = cfg or RegenConfig()
-    if cfg.samples < 1:
-        raise DataError(f"samples={cfg.samples}: need at least one answer per prompt")
-    if cfg.samples > 1 and cfg.sample_temperature <= 0:
-        raise DataError(
-            f"samples={cfg.samples} with sample_temperature={cfg.sample_temperature}: greedy "
-            "extra answers would repeat the first one; set sample_temperature > 0 (e.g. 0.8)"
-        )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     args = {
         "target": target.fingerprint,
         "prompts": prompt_set_hash(prompts),
@@ -405,6 +449,7 @@ def regenerate(
         )
     eos = eos_ids(target.tokenizer)
     chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
+    llm = None  # built (weights fused) once, only if some chunk is left to generate
     new_tokens, seconds = 0, 0.0
     bar = tqdm(total=len(chunks), desc="regenerate (chunks)", disable=not progress, unit="chunk")
     for ci, chunk in enumerate(chunks):
@@ -423,8 +468,9 @@ def regenerate(
                 for p in todo
             ]
             t0 = time.perf_counter()
+            llm = llm or Llama(target.model, cfg.dtype)
             outs = generate_batch(
-                target.model,
+                llm,
                 ids,
                 max_new_tokens=cfg.max_new_tokens,
                 eos_token_ids=eos,

@@ -16,8 +16,11 @@ audit uses it. Every stored id list carries its convention; a bare list is an er
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from workbench.errors import WorkbenchError
 
 OUTPUT_OF_LAYER = "output_of_layer"
 HF_HIDDEN_STATES_INDEX = "hf_hidden_states_index"
@@ -29,7 +32,7 @@ CONVENTIONS = (OUTPUT_OF_LAYER, HF_HIDDEN_STATES_INDEX, INPUT_OF_LAYER)
 _OFFSET = {OUTPUT_OF_LAYER: 0, HF_HIDDEN_STATES_INDEX: 1, INPUT_OF_LAYER: 1}
 
 
-class LayerConventionError(ValueError):
+class LayerConventionError(WorkbenchError):
     """Layer ids are missing their convention, out of range, or inconsistent."""
 
 
@@ -55,8 +58,7 @@ def valid_range(num_layers: int, convention: str) -> tuple[int, int]:
 
     Canonical ids run from -1 (embedding output) to N-1 (output of the last layer, before
     the final norm). HF index N is the *post-norm* final state in transformers, so it is
-    not the pre-norm residual stream; it is accepted but `validate` warns through the
-    returned message in `describe`.
+    not the pre-norm residual stream; it is accepted (as canonical N-1) but `validate` warns.
     """
     lo, hi = -1, num_layers - 1
     off = _OFFSET[check_convention(convention)]
@@ -101,11 +103,16 @@ class LayerIds:
 
 
 def default_layer_ids(num_layers: int) -> LayerIds:
-    """EAGLE-3's default `[1, N//2 - 1, N - 4]` in `output_of_layer`."""
-    if num_layers < 5:
+    """EAGLE-3's default `[1, N//2 - 1, N - 4]` in `output_of_layer`.
+
+    Below 7 layers the formula repeats ids (N=5: [1, 1, 1], N=6: [1, 2, 2]), so such targets
+    must name their ids explicitly rather than get a silently different choice.
+    """
+    if num_layers < 7:
         raise LayerConventionError(
-            f"the default aux layers need at least 5 decoder layers, target has {num_layers}; "
-            "pass explicit ids"
+            f"the default aux layers [1, N//2-1, N-4] need at least 7 decoder layers to be "
+            f"distinct; target has {num_layers}: pass explicit ids, e.g. "
+            f"'{','.join(str(i) for i in range(min(3, num_layers)))}'"
         )
     return LayerIds((1, num_layers // 2 - 1, num_layers - 4), CANONICAL)
 
@@ -135,6 +142,14 @@ def validate(
         raise LayerConventionError(f"layer ids must be sorted ascending, got {list(ids)}")
     if len(set(ids)) != len(ids):
         raise LayerConventionError(f"layer ids must be distinct, got {list(ids)}")
+    if layer_ids.convention == HF_HIDDEN_STATES_INDEX and num_layers in ids:
+        warnings.warn(
+            f"hf_hidden_states_index {num_layers} is the final norm's output in transformers' "
+            f"output_hidden_states, not a residual stream; it is used as output_of_layer "
+            f"{num_layers - 1} (the pre-norm output of the last layer). Pass "
+            f"{num_layers - 1} in output_of_layer to say so without this warning",
+            stacklevel=2,
+        )
     if fc_in_features is not None:
         if hidden_size is None:
             raise ValueError("hidden_size is needed to check fc width")
@@ -164,11 +179,3 @@ def parse_layer_spec(
     else:
         ids = [int(x) for x in spec]
     return validate(LayerIds(tuple(ids), convention), num_layers)
-
-
-def hook_points(layer_ids: LayerIds) -> list[int]:
-    """Decoder-layer indices whose *output* forward hooks record the aux states.
-
-    -1 means the embedding output (hook the embedding module instead).
-    """
-    return list(layer_ids.canonical)

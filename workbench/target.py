@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.errors import WorkbenchError
 from workbench.fsutil import atomic_write_text, sha256_file
 
 EMBEDDED_NAME = "smollm2-135m"
@@ -46,10 +47,9 @@ _TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-_FINGERPRINT_CACHE = ".workbench-fingerprint.json"
 
 
-class TargetError(ValueError):
+class TargetError(WorkbenchError):
     """A target could not be found or is not a decoder-only language model."""
 
 
@@ -252,20 +252,41 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _fingerprint_cache_file(path: Path) -> Path:
+    """Where the weight hashes of the model folder `path` are cached: under WORKBENCH_HOME,
+    never inside the user's model folder (it may be read-only or shared)."""
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    return workbench_home() / "fingerprints" / f"{path.name}-{key}.json"
+
+
+def _read_config(path: Path) -> dict:
+    f = path / "config.json"
+    try:
+        cfg = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TargetError(f"{f}: unreadable config.json ({e})") from e
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise TargetError(
+            f"{f}: not a transformers model config (no 'model_type' key); expected the "
+            "config.json of an HF decoder-only model such as Llama"
+        )
+    return cfg
+
+
 def fingerprint_dir(path: Path) -> str:
     """sha256 over config, weight-file hashes and tokenizer/chat template.
 
-    Weight hashes are cached next to the weights keyed by size + mtime, so only the first
-    fingerprint of a large checkpoint pays for reading it.
+    Weight hashes are cached under WORKBENCH_HOME keyed by file name + size + mtime, so only
+    the first fingerprint of a large checkpoint pays for reading it.
     """
     path = Path(path)
-    cache_file = path / _FINGERPRINT_CACHE
+    cache_file = _fingerprint_cache_file(path)
     try:
         cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # none yet, or damaged: it only costs a rehash, rewritten below
         cache = {}
     parts: dict[str, Any] = {}
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = _read_config(path)
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
         cfg.pop(k, None)
     parts["config"] = cfg
@@ -286,10 +307,8 @@ def fingerprint_dir(path: Path) -> str:
             tok[name] = hashlib.sha256(f.read_bytes()).hexdigest()
     parts["tokenizer"] = tok
     if changed:
-        try:
-            atomic_write_text(cache_file, json.dumps(cache))
-        except OSError:
-            pass  # read-only model dirs still fingerprint, just slower next time
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(cache_file, json.dumps(cache))
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -319,21 +338,29 @@ def load_target(
 
     `device_map="auto"` spreads a large target over several GPUs through accelerate.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _dtype(dtype)
+    check_device(device)
     name, path = resolve_target_dir(spec)
+    _read_config(path)
+    _weight_files(path)
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
     if device_map:
         kwargs["device_map"] = device_map
-    with _quiet_loading():  # a sub-second load needs no per-tensor bar in every report
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    try:
+        with _quiet_loading():  # a sub-second load needs no per-tensor bar in every report
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # a bad folder, not a bug
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TargetError(f"{path}: cannot load as an HF causal LM ({msg})") from e
     if not device_map:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     fp = fingerprint_dir(path)
@@ -355,6 +382,21 @@ def _quiet_loading():
             hf_logging.enable_progress_bar()
 
 
+def check_device(device: str) -> None:
+    """Refuse a device this machine does not have before anything is loaded or written."""
+    import torch
+
+    kind = str(device).split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TargetError(
+            f"--device {device}: no CUDA GPU is visible to torch on this machine; use --device cpu"
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise TargetError(f"--device {device}: MPS is not available here; use --device cpu")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise TargetError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or mps")
+
+
 def _dtype(name: str):
     import torch
 
@@ -367,5 +409,5 @@ def _dtype(name: str):
         "fp16": torch.float16,
     }
     if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(table)}")
+        raise TargetError(f"unknown target dtype {name!r}; expected one of {sorted(table)}")
     return table[name]
