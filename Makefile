@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 export MKL_CBWR ?= AVX512
 
-.PHONY: install demo test test-fast lint format browser clean-cache
+.PHONY: install demo test test-fast lint format browser clean-cache sglang-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,12 +24,30 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The real SGLang server runs in its own environment: sglang 0.5.23 pins torch 2.14.1 (a CUDA
+# build on this disk that runs on CPU) while the workbench stays on its own torch.
+# support/sglang_cpu/README.md says what the CPU stand-in on its PYTHONPATH is and why.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_REQS := support/sglang_cpu/server-requirements.txt
+
+$(SGLANG_STAMP): $(SGLANG_REQS)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	$(SGLANG_VENV)/bin/pip install -q -r $(SGLANG_REQS)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23 xgrammar==0.2.7
+	touch $@
+
+## The SGLang server environment (.venv-sglang, ~2 min, ~6 GB), made on first use.
+sglang-env: $(SGLANG_STAMP)
+
 ## The main job: the whole pipeline on the embedded default (quick profile, ~21 min on 2 cores).
 demo: $(STAMP)
 	$(BIN)/workbench pipeline --profile $(PROFILE)
 
 ## The test suite (tiny models + a few real-model smoke tests).
-test: $(STAMP) browser
+test: $(STAMP) browser $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
