@@ -1,0 +1,276 @@
+"""The local server (embedded engine behind SGLang's API on loopback) and the load client.
+
+Real HTTP on 127.0.0.1: greedy fp32 output through the server is token-identical to the engine
+called directly and to plain decoding; SGLang's meta_info identities hold; /metrics and
+/server_info agree with the per-request figures; bad settings, a port in use and bad requests
+are clear errors; the client keeps and marks partial results when the server dies mid-load.
+
+An oracle draft (tests/test_engine.py: the real draft, whose logits are then pointed at the
+known greedy continuation, wrong on purpose at some positions) makes multi-token accepts and
+rejections happen, so the histogram and accept-length figures are not all ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_engine import OracleDraft, tiny_draft, tiny_target
+
+from workbench import metrics
+from workbench.engine import SpecDecoder, TraceWriter, read_trace, resolve_params
+from workbench.errors import InUseError, WorkbenchError
+from workbench.llama import Llama
+from workbench.serving import client as lc
+from workbench.serving.local import LocalConfig, LocalEngine, LocalServer, main, resolve_spec
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PARAMS = [(3, 1, 4), (3, 2, 5)]  # a chain and a tree
+
+
+class Oracle(OracleDraft):
+    ref: list[int] = []
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return Llama(model, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in (7, 19, 12)]
+
+
+@pytest.fixture(scope="module")
+def plain_out(llm, prompts):
+    dec = SpecDecoder(llm, None)
+    return [dec.generate(p, 40, [1]).tokens for p in prompts]
+
+
+def _post(url: str, body: dict) -> dict:
+    r = httpx.post(url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _body(ids: list[int], stream: bool = False, n: int = 40) -> dict:
+    sp = {"max_new_tokens": n, "temperature": 0, "stop_token_ids": [1], "ignore_eos": True}
+    return {"input_ids": ids, "sampling_params": sp, "stream": stream}
+
+
+def _stream(url: str, body: dict) -> tuple[dict, int]:
+    chunks = []
+    with httpx.stream("POST", url + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                chunks.append(json.loads(line[5:]))
+    return chunks[-1], len(chunks)
+
+
+@pytest.mark.parametrize("s,k,n", PARAMS)
+def test_greedy_through_server_matches_engine_and_plain(llm, model, prompts, plain_out, s, k, n):
+    params = resolve_params(s, k, n)
+    draft = tiny_draft(model, 256, cls=Oracle)
+    eng = LocalEngine(llm, None, draft, params)
+    direct = SpecDecoder(llm, draft, params)
+    metas = []
+    with LocalServer(eng).start() as srv:
+        for p, ref in zip(prompts, plain_out, strict=True):
+            draft.ref = p + ref
+            got = _post(srv.url, _body(p))
+            streamed, n_chunks = _stream(srv.url, _body(p, stream=True))
+            want = direct.generate(p, 40, [1])
+            assert got["output_ids"] == want.tokens == ref
+            assert streamed["output_ids"] == ref
+            meta = got["meta_info"]
+            assert meta["spec_verify_ct"] == want.stats.verify_forwards
+            assert n_chunks == meta["spec_verify_ct"] + 2  # prefill, each verify, the final
+            metas += [meta, streamed["meta_info"]]
+        m = lc.get_metrics(srv.url)
+        info = lc.get_server_info(srv.url)
+    for meta in metas:
+        assert metrics.sglang_identity_problems(meta) == []
+        assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
+        assert sum(meta["spec_correct_drafts_histogram"]) == meta["spec_verify_ct"]
+        assert meta["spec_num_proposed_drafts"] == s * meta["spec_verify_ct"]
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+    assert max(m["spec_accept_length"] for m in metas) > 1.5  # the oracle gets accepts
+    assert any(m["spec_correct_drafts_histogram"][0] for m in metas)  # and rejections
+    vct = [meta["spec_verify_ct"] for meta in metas]
+    assert m["sglang:spec_verify_calls_total"] == sum(vct)
+    assert m["sglang:num_requests_total"] == len(metas)
+    assert m["sglang:generation_tokens_total"] == sum(x["completion_tokens"] for x in metas)
+    assert (
+        m["sglang:spec_num_steps"] == s
+        and m["sglang:spec_num_draft_tokens"] == params.num_draft_tokens
+    )
+    avg = info["internal_states"][0]["avg_spec_accept_length"]
+    assert avg == pytest.approx(
+        metrics.pooled_tau_sglang([x["completion_tokens"] for x in metas], vct)
+    )
+    assert info["speculative_num_steps"] == s
+
+
+def test_plain_server_and_flush_cache(llm, model, prompts, plain_out):
+    eng = LocalEngine(llm, None)
+    with LocalServer(eng).start() as srv:
+        got = _post(srv.url, _body(prompts[0]))
+        assert got["output_ids"] == plain_out[0]
+        assert "spec_verify_ct" not in got["meta_info"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert lc.get_server_info(srv.url)["speculative_algorithm"] is None
+    spec = LocalEngine(llm, None, tiny_draft(model, 256), resolve_params(2, 1, 3))
+    with LocalServer(spec).start() as srv:
+        _post(srv.url, _body(prompts[1], n=10))
+        assert lc.get_server_info(srv.url)["internal_states"][0]["avg_spec_accept_length"] > 0
+        lc.flush_cache(srv.url)
+        assert lc.get_server_info(srv.url)["internal_states"][0]["avg_spec_accept_length"] == 0
+        assert lc.get_metrics(srv.url)["sglang:num_requests_total"] == 1  # counters keep counting
+
+
+def test_trace_written_per_cycle(llm, model, prompts, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    eng = LocalEngine(llm, None, tiny_draft(model, 256), resolve_params(3, 1, 4),
+                      trace=TraceWriter(path))  # fmt: skip
+    with LocalServer(eng).start() as srv:
+        metas = [_post(srv.url, _body(p, n=12))["meta_info"] for p in prompts[:2]]
+    recs = read_trace(path)
+    assert len(recs) == sum(m["spec_verify_ct"] for m in metas)
+    assert sorted({r.request_ids[0] for r in recs}) == sorted(m["id"] for m in metas)
+
+
+def test_bad_requests_get_400_with_the_reason(llm, prompts):
+    with LocalServer(LocalEngine(llm, None)).start() as srv:
+        cases = [
+            ({"text": "hi", "input_ids": [3]}, "exactly one of"),
+            ({"input_ids": [3, 4], "sampling_params": {"top_p": 0.5}}, "top_p"),
+            ({"input_ids": [3, 4], "sampling_params": {"beam_width": 2}}, "not supported"),
+            ({"input_ids": [[3], [4]]}, "batch"),
+            ({"text": "hi"}, "no tokenizer"),
+        ]
+        for body, why in cases:
+            r = httpx.post(srv.url + "/generate", json=body)
+            assert r.status_code == 400 and why in r.json()["message"], (body, r.text)
+        assert httpx.get(srv.url + "/nope").status_code == 404
+        assert _post(srv.url, _body(prompts[0], n=3))["meta_info"]["completion_tokens"] == 3
+
+
+def test_bad_spec_settings_are_clear_errors(capsys):
+    bad = [
+        (LocalConfig(draft="d", num_steps=3), "set all three"),
+        (
+            LocalConfig(draft="d", num_steps=2, eagle_topk=2, num_draft_tokens=10),
+            "num_draft_tokens - 1",
+        ),
+        (LocalConfig(draft="d", speculative_algorithm="MEDUSA"), "MEDUSA"),
+        (LocalConfig(num_steps=3, eagle_topk=1, num_draft_tokens=4), "without a draft"),
+    ]
+    for cfg, why in bad:
+        with pytest.raises(WorkbenchError, match=why):
+            resolve_spec(cfg)
+    t0 = time.perf_counter()
+    code = main(["--speculative-draft-model-path", "d", "--speculative-num-steps", "3"])
+    assert code == 2 and time.perf_counter() - t0 < 5  # refused before loading anything
+    assert "set all three" in capsys.readouterr().err
+
+
+def test_port_in_use_is_a_clear_error(llm):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(InUseError, match=f"port {port} .* in use"):
+            LocalServer(LocalEngine(llm, None), port=port)
+
+
+def test_client_summary_on_a_prompt_set(tiny_target, tmp_path):
+    """The client against the server with a real tokenizer: prompts from a user JSONL file."""
+    from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
+    from workbench.layers import LayerIds
+
+    cfg = DraftConfig.from_target(tiny_target.model.config, LayerIds((1, 3, 5)), 512)
+    torch.manual_seed(0)
+    d = Eagle3Draft(cfg)
+    d.set_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:512]).values)
+    d = init_from_target(d, tiny_target.model).eval()
+    eng = LocalEngine(Llama(tiny_target.model, torch.float32), tiny_target.tokenizer, d,
+                      resolve_params(2, 1, 3))  # fmt: skip
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."}]})
+                            + "\n" for w in ("yes", "no", "maybe", "why")))  # fmt: skip
+    reqs = lc.build_requests(str(data), 3, tiny_target.tokenizer)
+    assert len(reqs) == 3 and all(r.input_ids for r in reqs)
+    out = tmp_path / "load.json"
+    with LocalServer(eng).start() as srv:
+        run = lc.run_load(lc.LoadConfig(srv.url, max_new_tokens=12, concurrency=2), reqs, out)
+    s = run.summary
+    assert run.status == "complete" and s["n_ok"] == 3 and s["identities_ok"]
+    ok = run.requests
+    comp = [r.completion_tokens for r in ok]
+    vct = [r.meta["spec_verify_ct"] for r in ok]
+    assert s["pooled_tau_sglang"] == pytest.approx(sum(comp) / sum(vct))
+    assert s["pooled_tau"] == pytest.approx((sum(comp) - len(comp)) / sum(vct))
+    assert s["server_metrics_delta"]["sglang:spec_verify_calls_total"] == sum(vct)
+    assert s["output_tokens"] == sum(comp) and s["ttft_s_p50"] > 0 and s["itl_s_p50"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["status"] == "complete" and len(saved["requests"]) == 3
+    assert saved["config"]["request_rate"] is None  # no limit, valid JSON
+
+
+def _group_gone(pgid: int, within_s: float) -> bool:
+    """Whether process group `pgid` is gone (init reaps orphaned zombies a little later)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_keeps_and_marks_partial_results_when_the_server_dies(tiny_target_dir, tmp_path):
+    """A real server process (workbench.serving.process) killed with SIGKILL mid-load."""
+    from workbench.serving import process
+
+    port = process.free_port()
+    argv = LocalConfig(model_path=str(tiny_target_dir), draft="").argv(port=port)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    url = f"http://127.0.0.1:{port}"
+    reqs = [lc.LoadRequest(f"r{i}", input_ids=[1, 100 + i, 200, 300]) for i in range(30)]
+    with process.start(argv, tmp_path / "server.log", url, deadline_s=120, env=env) as server:
+
+        def kill_after_two() -> None:
+            while lc.get_metrics(url).get("sglang:num_requests_total", 0) < 2:
+                time.sleep(0.05)
+            os.killpg(server.pgid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_two, daemon=True)
+        killer.start()
+        out = tmp_path / "load.json"
+        cfg = lc.LoadConfig(url, max_new_tokens=200, ignore_eos=True, concurrency=2)
+        run = lc.run_load(cfg, reqs, out)
+        killer.join(timeout=30)
+    s = run.summary
+    assert run.status == "partial" and "server died" in run.reason
+    assert s["n_ok"] >= 2 and s["n_failed"] >= 1 and s["n_ok"] + s["n_failed"] < 30
+    assert s["n_not_sent"] == 30 - s["n_ok"] - s["n_failed"]
+    assert all(r.completion_tokens == 200 for r in run.requests if r.ok)
+    saved = json.loads(out.read_text())
+    assert saved["status"] == "partial" and sum(r["ok"] for r in saved["requests"]) == s["n_ok"]
+    assert _group_gone(server.pgid, within_s=10)
