@@ -6,9 +6,10 @@ Prints a table (tok/s, tau, speedups against both baselines, output identical to
 last, `RESULT dtype=... tau=... tok_s_hf=... tok_s_plain=... tok_s_spec=... speedup_vs_hf=...
 speedup_vs_plain=... config=steps/topk/ndt` for the best reported setting.
 
-`--auto` first measures every setting on separate calibration prompts, keeps the fastest one
-only if it beats plain decoding (else "no speculation", config=none) and reports only that:
-a weak draft must never make the demo slower than plain decoding.
+`--auto` chooses the setting to serve on separate calibration prompts (MT-bench's last ones):
+the fastest one if it beats plain decoding, else "no speculation" (config=none), and reports
+only that on the other prompts (`engine.speed.speed_report`, the same function notebook 03
+uses). Speedups are printed as measured, below 1 included.
 
 Run: `python benchmarks/bench_spec.py [--draft PATH] [--dtype float32|bfloat16] [--auto]`.
 """
@@ -22,12 +23,9 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine.speed import (
-    DEFAULT_CONFIGS,
-    parse_configs,
-    speed_table,
-)
+from workbench.engine.speed import DEFAULT_CONFIGS, parse_configs, speed_report, speed_table
 from workbench.llama import Llama
+from workbench.metrics import speedup
 
 
 def default_draft_path() -> Path:
@@ -38,8 +36,9 @@ def default_draft_path() -> Path:
 
 
 def load_draft_for(target, path: str | None, random_draft: bool, dtype: torch.dtype):
+    """The draft to measure: any directory `load_draft` reads, or an untrained one."""
+    from workbench.draft.load import load_draft
     from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
-    from workbench.draft.train import load_draft
     from workbench.draft.vocab import EMBEDDED_DRAFT_VOCAB
     from workbench.layers import default_layer_ids
 
@@ -57,7 +56,10 @@ def load_draft_for(target, path: str | None, random_draft: bool, dtype: torch.dt
             "  run the README's main command first (`make demo`), pass --draft PATH, or use\n"
             "  --random-draft to measure the engine's overheads with an untrained draft"
         )
-    return load_draft(p, target.model).to(dtype).eval(), str(p)
+    loaded = load_draft(p, target.model)
+    for w in loaded.warnings:
+        print(f"warning ({p}): {w}")
+    return loaded.draft.to(dtype).eval(), f"{p} ({loaded.source})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,17 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     note = ""
     if args.auto:
         calib = [prompt_ids(target.tokenizer, q.messages(1)) for q in mt[-args.calib_prompts :]]
-        _, extra = speed_table(
-            target, llm, draft, calib, configs, args.max_new_tokens, eos, with_hf=False
+        sr = speed_report(target, llm, draft, calib, prompts, configs, args.max_new_tokens, eos,
+                          with_hf=True, report_all=False)  # fmt: skip
+        rows, meas, note = sr.rows, sr.measurements, sr.reason
+        print(f"auto (chosen on {len(calib)} calibration prompts): {note}")
+    else:
+        rows, extra = speed_table(
+            target, llm, draft, prompts, configs, args.max_new_tokens, eos, with_hf=True
         )
-        chosen, note = extra["chosen"], extra["reason"]
-        print(f"auto (on {len(calib)} calibration prompts): {note}")
-        configs = [chosen] if chosen else []
-
-    rows, extra = speed_table(
-        target, llm, draft, prompts, configs, args.max_new_tokens, eos, with_hf=True
-    )
-    meas = extra["measurements"]
+        meas = extra["measurements"]
     hf, plain = meas["hf"].tok_s, meas["plain"].tok_s
     print(
         f"\n{'method':<26}{'config':>7}{'tok/s':>9}{'tau':>7}{'vs hf':>8}{'vs plain':>10}{'same as plain':>15}"
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         tau, tok_s, cfg = 1.0, plain, "none"
         print(f"note: {note}")
     print(f"RESULT dtype={args.dtype} tau={tau:.3f} tok_s_hf={hf:.2f} tok_s_plain={plain:.2f} "
-          f"tok_s_spec={tok_s:.2f} speedup_vs_hf={tok_s / hf:.3f} "
-          f"speedup_vs_plain={tok_s / plain:.3f} config={cfg}")  # fmt: skip
+          f"tok_s_spec={tok_s:.2f} speedup_vs_hf={speedup(tok_s, hf):.3f} "
+          f"speedup_vs_plain={speedup(tok_s, plain):.3f} config={cfg}")  # fmt: skip
     return 0
 
 

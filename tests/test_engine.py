@@ -25,16 +25,17 @@ from workbench.engine import (
     TraceWriter,
     choose_params,
     commit_path,
-    pooled_tau,
     read_trace,
     resolve_params,
     select_accepted_hidden,
     speculative_generate,
-    trace_tau,
+    speed_figures,
 )
+from workbench.errors import WorkbenchError
 from workbench.generate import generate_batch
 from workbench.layers import LayerIds
 from workbench.llama import Llama
+from workbench.metrics import pooled_tau
 
 CONFIGS = [(3, 1, 4), (5, 1, 6), (3, 2, 5), (4, 4, 8), (1, 4, 4), (5, 4, 16)]
 
@@ -131,7 +132,7 @@ def test_greedy_oracle_draft_accepts_many_and_stays_exact(llm, model, prompts, r
         g = SpecDecoder(llm, draft, resolve_params(s, k, n)).generate(p, 48)
         assert g.tokens == ref
         stats.append(g.stats)
-    tau = pooled_tau(stats)
+    tau = pooled_tau([st.accepted for st in stats])
     assert tau > 1.5  # multi-token accepts (and rejections at the planted positions) happened
     assert any(a == 1 for st in stats for a in st.accepted) or s == 1  # rollbacks too
     if k > 1 and s > 1:  # second-choice siblings get accepted: beats the chain at equal depth
@@ -216,6 +217,10 @@ def test_tree_mask_and_children():
 # ---------------------------------------------------------------- parameters / mismatch
 
 
+def test_spec_error_is_a_workbench_error():
+    assert issubclass(SpecError, WorkbenchError)
+
+
 def test_sglang_parameter_rules():
     assert tuple(vars(resolve_params()).values()) == (5, 4, 8)
     with pytest.raises(SpecError, match="all three"):
@@ -253,6 +258,37 @@ def test_choose_params_falls_back_to_no_speculation():
         choose_params([hf, plain, slow])
 
 
+def _row(config, tok_s, plain=10.0, hf=5.0):
+    method = {"-": "engine (no speculation)"}.get(config, "EAGLE-3")
+    return {"method": method, "config": config, "tok_s": tok_s, "tau": 1.0,
+            "vs_hf": tok_s / hf, "vs_plain": tok_s / plain}  # fmt: skip
+
+
+def test_a_slower_than_plain_setting_is_never_recorded_as_a_win():
+    """Calibration: every setting is slower than plain. The served setting must be plain and the
+    best speedup recorded as measured (below 1), not rounded up to a win."""
+    calib = [Measurement(None, 100, 10.0), Measurement(SpecParams(2, 1, 3), 100, 11.0, tau=1.2),
+             Measurement(SpecParams(3, 1, 4), 100, 13.0, tau=1.3)]  # fmt: skip
+    served, _ = choose_params(calib)
+    assert served is None
+    rows = [_row("-", 10.0), _row("2/1/3", 9.0), _row("3/1/4", 7.5)]
+    f = speed_figures(served, rows)
+    assert f["served_config"] == "plain" and f["served_speedup"] is None
+    assert f["best_speedup"] == pytest.approx(0.9) and f["best_speedup_config"] == "2/1/3"
+    assert f["served_speedup_vs_hf"] == pytest.approx(2.0)  # plain decoding against HF generate
+
+
+def test_served_setting_is_reported_as_measured_on_other_prompts():
+    """Chosen on calibration prompts, slower on the reporting ones: the figures say so."""
+    served = SpecParams(2, 1, 3)
+    rows = [_row("-", 10.0), _row("2/1/3", 9.5), _row("3/1/4", 10.5)]
+    f = speed_figures(served, rows)
+    assert f["served_config"] == "2/1/3" and f["served_speedup"] == pytest.approx(0.95)
+    assert f["best_speedup"] == pytest.approx(1.05) and f["best_speedup_config"] == "3/1/4"
+    with pytest.raises(ValueError, match="not measured"):
+        speed_figures(SpecParams(5, 4, 8), rows)
+
+
 # ---------------------------------------------------------------- trace
 
 
@@ -271,7 +307,7 @@ def test_trace_schema_and_reader(llm, model, prompts, reference, tmp_path):
         range(len(recs))
     )
     assert sum(r.accepted[0] for r in recs) == g.stats.decode_tokens
-    assert math.isclose(trace_tau(recs), g.stats.tau)
+    assert math.isclose(pooled_tau([r.accepted for r in recs]), g.stats.tau)
     r = recs[1]
     assert (r.num_steps, r.topk, r.num_draft_tokens, r.batch_size) == (3, 2, 5, 1)
     assert r.hidden_in_dims == [3 * 64, 64, 64] and len(r.hidden_norms) == 3
@@ -346,7 +382,7 @@ def test_sampling_matches_target_distribution(s, k, n):
         stats.append(g.stats)
     assert chi2_pvalue(c2, marg2) > 1e-3
     assert chi2_pvalue(c3, marg3) > 1e-3
-    assert pooled_tau(stats) > 1.3  # drafts do get accepted (and rejected)
+    assert pooled_tau([st.accepted for st in stats]) > 1.3  # drafts do get accepted (and rejected)
     assert any(st.accepted[0] == 1 for st in stats)
 
 

@@ -18,25 +18,27 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workbench.engine import CycleRecord, SpecParams
-from workbench.inspect import (
+from workbench.audit import (
     ERROR,
-    EvalResult,
-    RequestResult,
     config_audit,
-    evaluate_draft,
     has_errors,
-    missed_tokens,
     norm_check,
     parse_serving,
-    per_position_acceptance,
-    simulated_tau,
-    time_breakdown,
-    token_html,
+    read_manifest,
     wiring_audit,
     wirings,
 )
-from workbench.layers import LayerIds
+from workbench.engine import CycleRecord, SpecParams
+from workbench.inspect import (
+    EvalResult,
+    RequestResult,
+    evaluate_draft,
+    missed_tokens,
+    time_breakdown,
+    token_html,
+)
+from workbench.layers import LayerConventionError, LayerIds
+from workbench.metrics import per_position_acceptance, simulated_tau
 
 IDS = (1, 3, 5)
 PARAMS = SpecParams(3, 1, 4)
@@ -60,14 +62,14 @@ def test_sources_and_per_position_acceptance():
     assert r.tau == pytest.approx(11 / 5)
     # drafts accepted per (uncensored) cycle m = 0, 3, 1, 2: pos0 reached 4 acc 3; pos1 reached 3 acc 2;
     # pos2 reached 2 acc 1
-    a = per_position_acceptance([r], 3)
+    a = per_position_acceptance([r.accepted], 3)
     assert a == pytest.approx([3 / 4, 2 / 3, 1 / 2])
     assert simulated_tau(a) == pytest.approx(1 + 0.75 + 0.5 + 0.25)
     assert simulated_tau([]) == 1.0
 
 
 def test_pooled_tau_is_not_the_mean_of_per_request_tau():
-    res = EvalResult(PARAMS, list(IDS), [_req([4] * 10, rid="long"), _req([1], rid="short")])
+    res = EvalResult(PARAMS, LayerIds(IDS), [_req([4] * 10, rid="long"), _req([1], rid="short")])
     assert res.tau == pytest.approx(41 / 11)  # pooled
     assert res.mean_request_tau == pytest.approx((4 + 1) / 2)
     assert res.tau_sglang == pytest.approx((41 + 2) / 11)  # prefill token counted, as SGLang does
@@ -105,12 +107,13 @@ def test_parse_serving_argv():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, embedded_dir):
+def trained(tmp_path_factory, embedded_tokenizer_dir):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from workbench.capture import CaptureConfig, capture
     from workbench.data import load_train_prompts, prompt_ids
-    from workbench.draft.train import TrainConfig, load_draft, train
+    from workbench.draft.load import load_draft
+    from workbench.draft.train import TrainConfig, train
     from workbench.generate import generate_batch
     from workbench.llama import Llama
     from workbench.target import load_target
@@ -131,8 +134,8 @@ def trained(tmp_path_factory, embedded_dir):
         "chat_template.jinja",
         "special_tokens_map.json",
     ):
-        if (embedded_dir / name).is_file():
-            shutil.copy(embedded_dir / name, tdir / name)
+        if (embedded_tokenizer_dir / name).is_file():
+            shutil.copy(embedded_tokenizer_dir / name, tdir / name)
     tgt = load_target(tdir)
     llm = Llama(tgt.model, torch.float32)
     prompts = load_train_prompts()[:12]
@@ -155,7 +158,7 @@ def trained(tmp_path_factory, embedded_dir):
     train(TrainConfig(capture=str(cap), out=str(run), draft_vocab_size=96, ttt_len=3, lr=3e-3,
                       batch_size=4, max_steps=600, eval_every=600, ckpt_every=600, val_fraction=0.0,
                       warmup=0.05, progress=False, threads=1), target=tgt)  # fmt: skip
-    draft = load_draft(run, tgt.model).eval()
+    draft = load_draft(run, tgt.model).draft.eval()
     return SimpleNamespace(
         tgt=tgt, llm=llm, prompts=prompts, ids=ids, cap=cap, run=run, draft=draft, root=root
     )
@@ -165,7 +168,8 @@ def test_evaluate_draft_metrics(trained):
     res = evaluate_draft(
         trained.tgt, trained.draft, trained.prompts[:4], PARAMS, 32, llm=trained.llm
     )
-    assert res.layer_ids == list(IDS) and len(res.requests) == 4
+    assert res.layer_ids == LayerIds(IDS) and len(res.requests) == 4
+    assert res.summary()["layer_ids"] == {"ids": list(IDS), "convention": "output_of_layer"}
     assert res.tau > 1.3 and res.tau_sglang > res.tau
     assert len(res.cycles) == sum(r.verify_forwards for r in res.requests)
     assert all(r.category == trained.prompts[i].category for i, r in enumerate(res.requests))
@@ -188,6 +192,8 @@ def test_wiring_audit_configured_wins_on_a_trained_draft(trained):
     assert all(r.lo <= r.tau <= r.hi for r in audit.rows)
     assert not has_errors(audit.findings), [str(f) for f in audit.findings]
     assert [n.live_id for n in audit.norms] == list(IDS) and not any(n.flag for n in audit.norms)
+    assert audit.rows[0].layer_ids == LayerIds(IDS)
+    assert audit.table()[0]["layer_ids"] == "[1, 3, 5] (output_of_layer)"
 
 
 def test_wiring_audit_flags_an_off_by_one_in_the_served_config(trained):
@@ -204,8 +210,6 @@ def test_wiring_audit_flags_an_off_by_one_in_the_served_config(trained):
 
 
 def test_norm_check_flags_shifted_ids_at_any_draft_quality(trained):
-    from workbench.inspect import read_manifest
-
     man = read_manifest(trained.cap)
     seqs = [p + [0] for p in trained.ids[:4]]
     rows, finds = norm_check(trained.llm, seqs, man, LayerIds(IDS))
@@ -215,6 +219,8 @@ def test_norm_check_flags_shifted_ids_at_any_draft_quality(trained):
         assert has_errors(finds), (served, rows)
         assert sum(bool(r.flag) for r in rows) >= 2, rows
         assert all(r.nearest_id == r.capture_id for r in rows if r.flag), rows
+    with pytest.raises(LayerConventionError, match="output_of_layer"):
+        norm_check(trained.llm, seqs, man, list(IDS))  # bare ids: which convention?
 
 
 # ---------------------------------------------------------------- config audit + CLI
@@ -222,10 +228,12 @@ def test_norm_check_flags_shifted_ids_at_any_draft_quality(trained):
 
 @pytest.fixture(scope="module")
 def exported(trained):
-    from workbench.draft.export import export_sglang, load_checkpoint
+    from workbench.draft.export import export_sglang, reexport_provenance
+    from workbench.draft.load import load_draft
 
-    d, prov = load_checkpoint(trained.run)
-    return export_sglang(d, trained.root / "export", prov, target_max_position_embeddings=2048)
+    run = load_draft(trained.run)
+    return export_sglang(run.draft, trained.root / "export", reexport_provenance(run),
+                         target_max_position_embeddings=2048)  # fmt: skip
 
 
 def _argv(draft, alg="EAGLE3", steps=("3", "1", "4"), extra=()):
@@ -240,8 +248,6 @@ def test_config_audit_agreeing_setup_has_no_errors(trained, exported):
 
 
 def test_config_audit_lists_every_disagreement(trained, exported):
-    from workbench.inspect import read_manifest
-
     man = json.loads(json.dumps(read_manifest(trained.cap)))
     man["layer_ids"] = {"ids": [2, 4, 6], "convention": "output_of_layer"}
     man["target"]["fingerprint"] = "0" * 16
@@ -266,8 +272,6 @@ def test_config_audit_lists_every_disagreement(trained, exported):
 
 
 def test_config_audit_vocab_and_architecture_quirks(trained, exported):
-    from workbench.inspect import read_manifest
-
     d = copy.deepcopy(trained.draft)
     d.d2t.zero_()
     assert any("d2t" in x.what for x in config_audit(d) if x.severity == ERROR)

@@ -1,43 +1,27 @@
-"""Offline inspection of an EAGLE-3 draft: acceptance metrics, the layer-wiring audit, config audit.
+"""Offline acceptance views of an EAGLE-3 draft served by the embedded engine.
 
-Why: high training accuracy with low serving τ is the common failure, and its usual cause is a
-wiring mismatch (aux layer ids off by one between capture, training and serving; a wrong
-algorithm flag; a bad vocab map). Everything here runs on one machine with the embedded engine
-before any cluster is involved.
+Why: high training accuracy with low serving τ is the common failure. These views (pooled τ,
+per-position acceptance, τ by category, the cycle's time split, which tokens the draft misses)
+run on one machine before any cluster is involved; `workbench.audit` then checks the wiring.
 
-Metrics (design.md, named once):
-- pooled τ = Σ decode tokens / Σ verify forwards, bonus included. The engine's count excludes
-  the token produced by prefill (`RequestStats.tau`); SGLang's `spec_accept_length`
-  (completion_tokens / verify_ct) includes it, reported here as `tau_sglang`.
-- mean of per-request τ: a different number (short answers weigh as much as long ones).
-- per-position acceptance a_i = P(draft token i accepted | tokens < i accepted), from the
-  per-cycle accepted counts (the accepted path's depth; exact for chain drafting).
-- simulated τ = 1 + Σ_k Π_{j≤k} a_j.
+Every figure comes from `workbench.metrics` (conventions named there): `tau` excludes the
+prefill's token, `tau_sglang` is SGLang's `spec_accept_length` (it counts it), the mean of
+per-request τ is a different number and labelled so, per-position acceptance is conditional
+(exact for chain drafting), simulated τ includes the bonus token.
 """
 
 from __future__ import annotations
 
-import argparse
 import html
-import json
-import math
-import os
-import shlex
-import warnings
+import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
-from workbench.engine import CycleRecord, SpecDecoder, SpecError, SpecParams, TraceWriter
-from workbench.layers import CANONICAL, INPUT_OF_LAYER, LayerConventionError, LayerIds, validate
-
-ERROR, WARNING, INFO = "error", "warning", "info"
-
+from workbench import metrics
+from workbench.engine import CycleRecord, SpecDecoder, SpecParams, TraceWriter
+from workbench.layers import CANONICAL, LayerIds
 
 # ---------------------------------------------------------------- prompts
 
@@ -96,7 +80,7 @@ class RequestResult:
     @property
     def tau(self) -> float:
         """Decode tokens per verify forward (prefill token excluded, bonus included)."""
-        return self.decode_tokens / self.verify_forwards if self.verify_forwards else 0.0
+        return metrics.tau(self.decode_tokens, self.verify_forwards)
 
     def sources(self) -> list[str]:
         """Per generated token: prefill | draft (accepted) | bonus (all drafts accepted) | correction.
@@ -115,44 +99,43 @@ class EvalResult:
     """Offline metrics of one draft + wiring over a prompt set (greedy unless temperature > 0)."""
 
     params: SpecParams
-    layer_ids: list[int]  # canonical ids served
+    layer_ids: LayerIds  # the aux layers served
     requests: list[RequestResult]
     cycles: list[CycleRecord] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
+    def accepted(self) -> list[list[int]]:
+        return [r.accepted for r in self.requests]
+
+    @property
     def tau(self) -> float:
         """Pooled τ: Σ decode tokens / Σ verify forwards (bonus in, prefill token out)."""
-        v = sum(r.verify_forwards for r in self.requests)
-        return sum(r.decode_tokens for r in self.requests) / v if v else 0.0
+        return metrics.pooled_tau(self.accepted)
 
     @property
     def tau_sglang(self) -> float:
         """SGLang's spec_accept_length: Σ completion tokens (prefill token in) / Σ verify forwards."""
-        v = sum(r.verify_forwards for r in self.requests)
-        return sum(len(r.tokens) for r in self.requests) / v if v else 0.0
-
-    @property
-    def request_taus(self) -> list[float]:
-        return [r.tau for r in self.requests]
+        return metrics.pooled_tau_sglang(
+            [len(r.tokens) for r in self.requests], [r.verify_forwards for r in self.requests]
+        )
 
     @property
     def mean_request_tau(self) -> float:
         """Mean of per-request τ (not the pooled τ)."""
-        t = [r.tau for r in self.requests if r.verify_forwards]
-        return float(np.mean(t)) if t else 0.0
+        return metrics.mean_request_tau(self.accepted)
 
     @property
     def accept_counts(self) -> tuple[list[int], list[int]]:
-        return acceptance_counts(self.requests, self.params.num_steps)
+        return metrics.acceptance_counts(self.accepted, self.params.num_steps)
 
     @property
     def accept_pos(self) -> list[float]:
-        return per_position_acceptance(self.requests, self.params.num_steps)
+        return metrics.per_position_acceptance(self.accepted, self.params.num_steps)
 
     @property
     def sim_tau(self) -> float:
-        return simulated_tau(self.accept_pos)
+        return metrics.simulated_tau(self.accept_pos)
 
     def by_category(self) -> list[dict]:
         return category_table(self)
@@ -163,7 +146,7 @@ class EvalResult:
     def summary(self) -> dict:
         return {
             "params": str(self.params),
-            "layer_ids": self.layer_ids,
+            "layer_ids": self.layer_ids.to_dict(),
             "requests": len(self.requests),
             "completion_tokens": sum(len(r.tokens) for r in self.requests),
             "verify_forwards": sum(r.verify_forwards for r in self.requests),
@@ -174,37 +157,6 @@ class EvalResult:
             "accept_pos": [round(a, 4) for a in self.accept_pos],
             "seconds": round(self.seconds, 2),
         }
-
-
-def acceptance_counts(
-    requests: Sequence[RequestResult], num_steps: int
-) -> tuple[list[int], list[int]]:
-    """(reached_i, accepted_i) per draft position i over all cycles but each request's last.
-
-    The last cycle is left out: it may be cut at eos / max_new_tokens (censored)."""
-    reached, acc = [0] * num_steps, [0] * num_steps
-    for r in requests:
-        for a in r.accepted[:-1]:
-            m = min(a - 1, num_steps)  # accepted draft tokens this cycle
-            for i in range(min(m + 1, num_steps)):
-                reached[i] += 1
-                acc[i] += i < m
-    return reached, acc
-
-
-def per_position_acceptance(requests: Sequence[RequestResult], num_steps: int) -> list[float]:
-    """a_i = P(draft token i accepted | tokens < i accepted); 0 where position i was never reached."""
-    reached, acc = acceptance_counts(requests, num_steps)
-    return [a / n if n else 0.0 for a, n in zip(acc, reached, strict=True)]
-
-
-def simulated_tau(a: Sequence[float]) -> float:
-    """1 + Σ_k Π_{j≤k} a_j: the expected tokens per verify forward of a chain with these a_i."""
-    tau, prod = 1.0, 1.0
-    for ai in a:
-        prod *= ai
-        tau += prod
-    return tau
 
 
 def evaluate_draft(
@@ -228,8 +180,6 @@ def evaluate_draft(
     `prompts` are `Prompt`s or token-id lists. `layer_ids` overrides the draft's aux wiring (the
     audit's what-if). Default params: chain, 5 steps (per-position acceptance is exact for chains).
     """
-    import time
-
     from tqdm.auto import tqdm
 
     from workbench.llama import Llama
@@ -251,7 +201,8 @@ def evaluate_draft(
         g = dec.generate(it.ids, max_new_tokens, eos, it.id)
         reqs.append(RequestResult(it.id, it.category, it.ids, g.tokens, list(g.stats.accepted),
                                   params.num_steps))  # fmt: skip
-    return EvalResult(params, list(dec.aux_ids), reqs, trace.records, time.perf_counter() - t0)
+    served = LayerIds(tuple(dec.aux_ids), CANONICAL)
+    return EvalResult(params, served, reqs, trace.records, time.perf_counter() - t0)
 
 
 def category_table(result: EvalResult) -> list[dict]:
@@ -261,11 +212,11 @@ def category_table(result: EvalResult) -> list[dict]:
         groups.setdefault(r.category, []).append(r)
     rows = []
     for cat, rs in sorted(groups.items()):
-        v = sum(r.verify_forwards for r in rs)
-        a = per_position_acceptance(rs, result.params.num_steps)
+        acc = [r.accepted for r in rs]
+        a = metrics.per_position_acceptance(acc, result.params.num_steps)
         rows.append({"category": cat, "requests": len(rs), "tokens": sum(len(r.tokens) for r in rs),
-                     "tau": sum(r.decode_tokens for r in rs) / v if v else 0.0,
-                     "accept_pos0": a[0] if a else 0.0, "sim_tau": simulated_tau(a)})  # fmt: skip
+                     "tau": metrics.pooled_tau(acc), "accept_pos0": a[0] if a else 0.0,
+                     "sim_tau": metrics.simulated_tau(a)})  # fmt: skip
     return rows
 
 
@@ -321,513 +272,3 @@ def token_html(result: EvalResult, tokenizer: Any = None, n: int = 3, max_tokens
                      f"<b>{html.escape(r.id)}</b> ({html.escape(r.category)}, τ {r.tau:.2f})<br>"
                      + "".join(spans) + "</div>")  # fmt: skip
     return "".join(parts) + "</div>"
-
-
-# ---------------------------------------------------------------- findings
-
-
-@dataclass
-class Finding:
-    """One disagreement: severity error (will break acceptance) | warning | info."""
-
-    severity: str
-    what: str
-    expected: Any = None
-    got: Any = None
-    why: str = ""
-
-    def __str__(self) -> str:
-        s = f"[{self.severity}] {self.what}"
-        if self.expected is not None or self.got is not None:
-            s += f": expected {self.expected}, got {self.got}"
-        return s + (f" ({self.why})" if self.why else "")
-
-
-def has_errors(findings: Sequence[Finding]) -> bool:
-    return any(f.severity == ERROR for f in findings)
-
-
-# ---------------------------------------------------------------- norm check
-
-
-def read_manifest(capture: Any) -> dict:
-    """A capture manifest from a dict, a CaptureReader, or a capture directory / manifest path."""
-    if isinstance(capture, dict):
-        return capture
-    if hasattr(capture, "manifest"):
-        return capture.manifest
-    p = Path(capture)
-    return json.loads((p / "manifest.json" if p.is_dir() else p).read_text())
-
-
-@dataclass
-class NormRow:
-    slot: int
-    capture_id: int  # canonical id the capture recorded
-    live_id: int  # canonical id served
-    cap_p05: float
-    cap_p50: float
-    cap_p95: float
-    live_p50: float
-    ratio: float  # live median / capture median
-    nearest_id: int  # live layer whose median is closest to the capture's (log scale)
-    flag: str = ""
-
-
-@torch.no_grad()
-def live_norms(
-    llm: Any, sequences: Sequence[Sequence[int]], layers: Sequence[int]
-) -> dict[int, np.ndarray]:
-    """Per-token L2 norms of the residual stream at canonical `layers` over whole sequences."""
-    out: dict[int, list] = {i: [] for i in layers}
-    for s in sequences:
-        res = llm(torch.tensor([list(s)]), hidden_layers=list(layers), logits="none")
-        for i in layers:
-            out[i].append(res.hidden[i][0].float().norm(dim=-1).numpy())
-    return {i: np.concatenate(v) if v else np.zeros(0) for i, v in out.items()}
-
-
-def norm_check(
-    llm: Any,
-    sequences: Sequence[Sequence[int]],
-    manifest: dict,
-    layer_ids: LayerIds | Sequence[int] | None = None,
-    *,
-    ratio: float = 1.15,
-) -> tuple[list[NormRow], list[Finding]]:
-    """Compare live hidden-state norms at the served ids with the capture manifest's, slot by slot.
-
-    Works at any draft quality. Flags a slot when the live median falls outside the capture's
-    p05..p95, or differs from the capture's median by more than `ratio`, or when a neighbouring
-    live layer (id ± 1, or the embedding) matches the capture's median better: the capture then
-    recorded a different layer than the one served (off-by-one / convention mismatch). The prompt
-    sets differ (capture: training conversations; live: these sequences), so medians agree only
-    to within several percent on a correct wiring.
-    """
-    cap = LayerIds.from_dict(manifest["layer_ids"]).canonical
-    served = cap if layer_ids is None else (
-        layer_ids.canonical if isinstance(layer_ids, LayerIds) else tuple(int(i) for i in layer_ids))  # fmt: skip
-    n = llm.n_layers
-    cands = sorted({j for i in served for j in (i - 1, i, i + 1) if -1 <= j < n})
-    norms = live_norms(llm, sequences, cands)
-    med = {j: float(np.median(v)) for j, v in norms.items() if v.size}
-    stats = {int(v["slot"]): v for v in manifest["norm_stats"]["layers"].values()}
-    rows, finds = [], []
-    if len(served) != len(cap):
-        finds.append(
-            Finding(ERROR, "number of aux layers (capture vs served)", len(cap), len(served))
-        )
-    for j, (cid, lid) in enumerate(zip(cap, served, strict=False)):
-        st = stats.get(j)
-        if not st or not st.get("count") or lid not in med:
-            continue
-        p50 = float(st["p50"])
-        live = med[lid]
-        r = live / p50 if p50 else math.inf
-        near = min(
-            (k for k in cands if abs(k - lid) <= 1), key=lambda k: abs(math.log(med[k] / p50))
-        )
-        flags = []
-        if not float(st["p05"]) <= live <= float(st["p95"]):
-            flags.append("live median outside the capture's p05..p95")
-        if max(r, 1 / r) > ratio:
-            flags.append(f"median ratio {r:.2f} beyond {ratio}")
-        better = abs(math.log(med[near] / p50)) < 0.5 * abs(math.log(r))
-        if near != lid and better:
-            flags.append(f"capture slot {j} matches live layer {near} better than served {lid}")
-        rows.append(NormRow(j, cid, lid, float(st["p05"]), p50, float(st["p95"]), live, r, near,
-                            "; ".join(flags)))  # fmt: skip
-        if flags:
-            sev = ERROR if (near != lid and better) or len(flags) > 1 else WARNING
-            finds.append(Finding(sev, f"hidden-state norms, aux slot {j} (capture layer {cid}, served layer {lid})",
-                                 f"median ≈ {p50:.3g} (capture p05..p95 {st['p05']:.3g}..{st['p95']:.3g})",
-                                 f"live median {live:.3g}", "; ".join(flags) +
-                                 ": wrong layer or layer-id convention between capture and serving"))  # fmt: skip
-    return rows, finds
-
-
-# ---------------------------------------------------------------- wiring audit
-
-
-@dataclass
-class WiringRow:
-    name: str
-    layer_ids: list[int]  # canonical
-    tau: float
-    lo: float
-    hi: float
-    mean_request_tau: float
-    accept_pos0: float
-    delta: float = 0.0  # tau - configured tau
-    delta_lo: float = 0.0
-    delta_hi: float = 0.0
-    beats_configured: bool = False  # supported by the CI rule
-    loses_to_configured: bool = False
-
-
-@dataclass
-class WiringAudit:
-    rows: list[WiringRow]
-    verdict: str  # configured wins | shifted wiring wins | inconclusive
-    best: str  # name of the winning wiring, or "inconclusive"
-    findings: list[Finding]
-    norms: list[NormRow] = field(default_factory=list)
-    ci: float = 0.9
-    results: dict[str, EvalResult] = field(default_factory=dict)
-
-    def table(self) -> list[dict]:
-        return [asdict(r) for r in self.rows]
-
-
-def wirings(layer_ids: LayerIds, num_layers: int, shifts: Sequence[int] = (-1, 1),
-            embedding: bool = True) -> dict[str, LayerIds]:  # fmt: skip
-    """configured, each shift, and the embedding output (canonical -1) in place of the first id;
-    invalid (out of range) or duplicate wirings are left out."""
-    base = layer_ids.to(CANONICAL)
-    cand = {"configured": base}
-    cand |= {f"shift {d:+d}": base.shifted(d) for d in shifts}
-    if embedding:
-        cand["embedding first"] = LayerIds((-1, *base.ids[1:]), CANONICAL)
-    out, seen = {}, set()
-    for name, ids in cand.items():
-        try:
-            validate(ids, num_layers)
-        except LayerConventionError:
-            continue
-        if ids.ids not in seen:
-            seen.add(ids.ids)
-            out[name] = ids
-    return out
-
-
-def bootstrap_taus(tokens: np.ndarray, verifies: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """Pooled τ per bootstrap resample of prompts: tokens/verifies [W, P] -> [W, n_boot], paired
-    (every wiring uses the same resampled prompts)."""
-    rng = np.random.default_rng(seed)
-    P = tokens.shape[1]
-    idx = rng.integers(0, P, size=(n_boot, P))
-    t, v = tokens[:, idx].sum(-1), verifies[:, idx].sum(-1)
-    return t / np.maximum(v, 1)
-
-
-def wiring_audit(
-    target: Any,
-    draft: Any,
-    prompts: Sequence[Any],
-    params: SpecParams | None = None,
-    max_new_tokens: int = 64,
-    *,
-    capture: Any = None,
-    llm: Any = None,
-    dtype: str = "float32",
-    shifts: Sequence[int] = (-1, 1),
-    embedding: bool = True,
-    n_boot: int = 2000,
-    ci: float = 0.9,
-    rule: str = "paired",
-    seed: int = 0,
-    norm_ratio: float = 1.15,
-    progress: bool = False,
-    configured: EvalResult | None = None,
-) -> WiringAudit:
-    """Serve the same draft with aux states from other layers and see which wiring accepts most.
-
-    A shifted wiring beating the configured one means the draft was trained on other layers than
-    it is served with (the Kimi-K2.5 off-by-one). Each τ gets a bootstrap CI over prompts; a
-    winner is named only when it is supported: `rule="paired"` (default) asks that the CI of the
-    paired τ difference (same resampled prompts for both wirings) excludes 0, `rule="overlap"`
-    that the two τ CIs do not overlap; otherwise the verdict is "inconclusive" (a weak draft
-    cannot tell wirings apart; rely on the norm check, which needs a `capture` manifest).
-    `configured` reuses an `evaluate_draft` result of the configured wiring on the same prompts.
-    """
-    from workbench.llama import Llama
-
-    llm = llm or Llama(target.model, dtype)
-    items = prepare_prompts(target, prompts)
-    conf = draft.config.layer_ids
-    ws = wirings(conf, llm.n_layers, shifts, embedding)
-    results = {name: configured if name == "configured" and configured is not None else
-               evaluate_draft(target, draft, items, params, max_new_tokens, llm=llm, layer_ids=ids,
-                              progress=progress)
-               for name, ids in ws.items()}  # fmt: skip
-    names = list(results)
-    tok = np.array([[r.decode_tokens for r in results[n].requests] for n in names], dtype=float)
-    ver = np.array([[r.verify_forwards for r in results[n].requests] for n in names], dtype=float)
-    boot = bootstrap_taus(tok, ver, n_boot, seed)
-    q = ((1 - ci) / 2 * 100, (1 + ci) / 2 * 100)
-    lo, hi = np.percentile(boot, q, axis=1)
-    dl, dh = np.percentile(boot - boot[0], q, axis=1)
-    rows = []
-    for k, n in enumerate(names):
-        res = results[n]
-        beats = (dl[k] > 0) if rule == "paired" else (lo[k] > hi[0])
-        loses = (dh[k] < 0) if rule == "paired" else (hi[k] < lo[0])
-        rows.append(WiringRow(n, list(ws[n].ids), res.tau, float(lo[k]), float(hi[k]),
-                              res.mean_request_tau, (res.accept_pos or [0.0])[0],
-                              res.tau - results[names[0]].tau, float(dl[k]), float(dh[k]),
-                              bool(k and beats), bool(k and loses)))  # fmt: skip
-    finds: list[Finding] = []
-    winners = [r for r in rows[1:] if r.beats_configured]
-    pct = f"{ci:.0%} CI"
-    if winners:
-        best = max(winners, key=lambda r: r.tau)
-        verdict, best_name = "shifted wiring wins", best.name
-        finds.append(Finding(ERROR, f"wiring '{best.name}' {best.layer_ids} accepts more than the configured {rows[0].layer_ids}",
-                             f"configured τ {rows[0].tau:.3f} [{rows[0].lo:.3f}, {rows[0].hi:.3f}]",
-                             f"τ {best.tau:.3f} [{best.lo:.3f}, {best.hi:.3f}]; difference {pct} "
-                             f"[{best.delta_lo:+.3f}, {best.delta_hi:+.3f}]",
-                             "the draft was trained on other layers than it is served with: an "
-                             "off-by-one between capture and serving ids or conventions"))  # fmt: skip
-    elif len(rows) > 1 and all(r.loses_to_configured for r in rows[1:]):
-        verdict, best_name = "configured wins", "configured"
-        finds.append(Finding(INFO, "configured wiring accepts more than every shifted wiring",
-                             got=f"τ {rows[0].tau:.3f} [{rows[0].lo:.3f}, {rows[0].hi:.3f}]"))  # fmt: skip
-    else:
-        verdict, best_name = "inconclusive", "inconclusive"
-        finds.append(Finding(WARNING if len(rows) > 1 else INFO, "wiring audit inconclusive",
-                             got=", ".join(f"{r.name} τ {r.tau:.3f} [{r.lo:.3f}, {r.hi:.3f}]" for r in rows),
-                             why=f"the {pct}s do not separate the wirings (draft too weak or too few "
-                                 "prompts); rely on the norm check"))  # fmt: skip
-    norms: list[NormRow] = []
-    if capture is not None:
-        man = read_manifest(capture)
-        seqs = [r.prompt + r.tokens for r in results[names[0]].requests]
-        norms, nf = norm_check(llm, seqs, man, conf, ratio=norm_ratio)
-        finds += nf
-    return WiringAudit(rows, verdict, best_name, finds, norms, ci, results)
-
-
-# ---------------------------------------------------------------- config audit
-
-# SGLang model quirks in mapping eagle_aux_hidden_state_layer_ids to captured layers (sglang.md)
-_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
-_GPT_OSS = ("GptOssForCausalLM",)
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-
-
-def architecture_quirks(
-    arch: str | None, ids: Sequence[int], num_layers: int | None
-) -> list[Finding]:
-    """Warn where SGLang's model code reads the draft's layer ids differently from Llama's +1."""
-    if not arch:
-        return []
-    ids = list(ids)
-    if arch in _DEEPSEEK:
-        shifted = ids[:1] != [1]
-        return [Finding(WARNING, f"SGLang {arch} quirk: ids get +1 only when the first id is 1",
-                        "first id 1 (then output_of_layer semantics)", ids,
-                        "ids are read raw as input_of_layer: every aux layer one layer early"
-                        if shifted else "ids follow the canonical meaning here; keep the first id at 1")]  # fmt: skip
-    if arch in _GPT_OSS:
-        raw = num_layers is not None and max(ids) == num_layers
-        return [Finding(WARNING, f"SGLang {arch} quirk: ids are used raw when max(ids) == num_layers",
-                        f"max id < {num_layers}", ids,
-                        "ids read as input_of_layer: one layer off the canonical meaning"
-                        if raw else "ids get +1 here (canonical); the quirk triggers only if max(ids) == N")]  # fmt: skip
-    if arch in _QWEN:
-        return [Finding(WARNING, f"SGLang {arch} quirk: ids always get +1",
-                        got=ids, why="canonical output_of_layer semantics; a capture made elsewhere "
-                        "with input_of_layer ids would be one layer off")]  # fmt: skip
-    return []
-
-
-def parse_serving(serving: Sequence[str] | str | dict) -> dict:
-    """The speculation-relevant fields of an SGLang argv (list or string) or an engine config dict.
-
-    Keys: model_path, draft_path, algorithm, num_steps, eagle_topk, num_draft_tokens,
-    context_length, layer_ids (LayerIds or None), source."""
-    if isinstance(serving, dict):
-        d = dict(serving)
-        ids = d.get("layer_ids")
-        if ids is not None and not isinstance(ids, LayerIds):
-            ids = LayerIds.from_dict(ids)
-        return {"model_path": d.get("model_path") or d.get("target"), "draft_path": d.get("draft_path") or d.get("draft"),
-                "algorithm": d.get("algorithm", "EAGLE3"), "num_steps": d.get("num_steps"),
-                "eagle_topk": d.get("eagle_topk"), "num_draft_tokens": d.get("num_draft_tokens"),
-                "context_length": d.get("context_length"), "layer_ids": ids, "source": "engine config"}  # fmt: skip
-    argv = shlex.split(serving) if isinstance(serving, str) else list(serving)
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for flag in ("--model-path", "--speculative-draft-model-path", "--speculative-algorithm"):
-        p.add_argument(flag)
-    for flag in (
-        "--speculative-num-steps",
-        "--speculative-eagle-topk",
-        "--speculative-num-draft-tokens",
-        "--context-length",
-    ):
-        p.add_argument(flag, type=int)  # fmt: skip
-    a, _ = p.parse_known_args(argv)
-    return {"model_path": a.model_path, "draft_path": a.speculative_draft_model_path,
-            "algorithm": a.speculative_algorithm, "num_steps": a.speculative_num_steps,
-            "eagle_topk": a.speculative_eagle_topk, "num_draft_tokens": a.speculative_num_draft_tokens,
-            "context_length": a.context_length, "layer_ids": None, "source": "SGLang argv"}  # fmt: skip
-
-
-def _load_draft_info(draft: Any) -> tuple[Any, dict, list[str], dict | None, str | None]:
-    """(Eagle3Draft, provenance, import warnings, raw config.json or None, path or None)."""
-    from workbench.draft.export import load_any
-
-    if isinstance(draft, (str, os.PathLike)):
-        p = Path(draft)
-        d, prov, warns = load_any(p)
-        cfg = json.loads((p / "config.json").read_text()) if (p / "config.json").is_file() else None
-        return d, prov, list(warns), cfg, str(p)
-    if hasattr(draft, "draft") and hasattr(draft, "warnings"):  # ImportedDraft
-        return draft.draft, draft.provenance or {}, list(draft.warnings), draft.config, draft.path
-    return draft, {}, [], None, None
-
-
-def config_audit(
-    draft: Any,
-    capture_manifest: Any = None,
-    serving: Sequence[str] | str | dict | None = None,
-    *,
-    target: Any = None,
-) -> list[Finding]:
-    """Every disagreement between a draft (training run dir, export dir, or loaded draft), the
-    capture it was trained on and a serving command line / engine config: layer ids and
-    convention, target fingerprint, vocab (size, d2t), max positions, algorithm and step flags,
-    plus SGLang architecture quirks. Errors will break acceptance; warnings might."""
-    from workbench.draft.vocab import d2t_problems
-    from workbench.engine import resolve_params
-
-    d, prov, import_warns, raw_cfg, dpath = _load_draft_info(draft)
-    c = d.config
-    ids = c.layer_ids.to(CANONICAL)
-    F: list[Finding] = [Finding(WARNING, "draft import", got=w) for w in import_warns]
-    if dpath and raw_cfg is None:
-        F.append(Finding(INFO, "draft is a training run, not an export",
-                         why="serve `workbench export --draft ... --out DIR` output, which SGLang loads"))  # fmt: skip
-    if raw_cfg is not None:
-        eagle = raw_cfg.get("eagle_config") or {}
-        if (
-            not eagle.get("eagle_aux_hidden_state_layer_ids")
-            and "speculators_config" not in raw_cfg
-        ):
-            F.append(Finding(ERROR, "config.json has no eagle_config.eagle_aux_hidden_state_layer_ids",
-                             list(ids.ids), None, "SGLang then uses the architecture default layers"))  # fmt: skip
-    for p in d2t_problems(d.d2t.cpu(), c.vocab_size):
-        F.append(Finding(ERROR, "draft vocab map (d2t)", got=p))
-    if c.draft_vocab_size > c.vocab_size:
-        F.append(
-            Finding(ERROR, "draft_vocab_size", f"<= vocab_size {c.vocab_size}", c.draft_vocab_size)
-        )
-
-    man = read_manifest(capture_manifest) if capture_manifest is not None else None
-    arch, n_layers, tgt_fp, tgt_maxpos, tgt_vocab, tgt_hidden = None, None, None, None, None, None
-    if target is not None:
-        desc = target.describe()
-        arch, n_layers, tgt_fp = desc["architecture"], desc["num_layers"], desc["fingerprint"]
-        tgt_maxpos, tgt_vocab, tgt_hidden = (
-            desc["max_position_embeddings"],
-            desc["vocab_size"],
-            desc["hidden_size"],
-        )
-    if man is not None:
-        t = man.get("target", {})
-        arch, n_layers = arch or t.get("architecture"), n_layers or t.get("num_layers")
-        tgt_maxpos = tgt_maxpos or t.get("max_position_embeddings")
-        tgt_vocab, tgt_hidden = (
-            tgt_vocab or t.get("vocab_size"),
-            tgt_hidden or man.get("hidden_size"),
-        )
-        try:
-            cap = LayerIds.from_dict(man.get("layer_ids"))
-        except LayerConventionError as e:
-            F.append(
-                Finding(
-                    ERROR,
-                    "capture layer ids have no convention",
-                    got=man.get("layer_ids"),
-                    why=str(e),
-                )
-            )
-            cap = None
-        if cap is not None:
-            if cap.convention != CANONICAL:
-                F.append(Finding(WARNING, "capture layer-id convention", CANONICAL, cap.convention,
-                                 "compared after conversion"))  # fmt: skip
-            if cap.canonical != ids.canonical:
-                F.append(Finding(ERROR, "aux layer ids: draft vs capture", f"{list(cap.canonical)} ({CANONICAL})",
-                                 f"{list(ids.ids)} ({CANONICAL}) = {list(ids.to(INPUT_OF_LAYER).ids)} ({INPUT_OF_LAYER})",
-                                 "the draft is served with other layers than it was trained on"))  # fmt: skip
-        cap_fp = t.get("fingerprint")
-        if tgt_fp and cap_fp and cap_fp != tgt_fp:
-            F.append(Finding(ERROR, "target fingerprint: capture vs target", tgt_fp, cap_fp))
-        tgt_fp = tgt_fp or cap_fp
-    if tgt_fp and prov.get("target_fingerprint") and prov["target_fingerprint"] != tgt_fp:
-        F.append(Finding(ERROR, "target fingerprint: draft provenance vs capture/target", tgt_fp,
-                         prov["target_fingerprint"], "the draft was trained against another target"))  # fmt: skip
-    if tgt_vocab and c.vocab_size != int(tgt_vocab):
-        F.append(Finding(ERROR, "vocab_size: draft vs target", tgt_vocab, c.vocab_size))
-    if tgt_hidden and c.target_hidden_size != int(tgt_hidden):
-        F.append(
-            Finding(ERROR, "target_hidden_size: draft vs target", tgt_hidden, c.target_hidden_size)
-        )
-    if tgt_maxpos and c.max_position_embeddings < int(tgt_maxpos):
-        F.append(Finding(WARNING, "max_position_embeddings: draft below the target's", f">= {tgt_maxpos}",
-                         c.max_position_embeddings, "acceptance collapses on requests longer than the draft's limit"))  # fmt: skip
-    if n_layers:
-        try:
-            validate(ids, int(n_layers))
-        except LayerConventionError as e:
-            F.append(
-                Finding(
-                    ERROR,
-                    "aux layer ids out of range for the target",
-                    got=list(ids.ids),
-                    why=str(e),
-                )
-            )
-    F += architecture_quirks(arch, ids.ids, n_layers)
-
-    if serving is not None:
-        s = parse_serving(serving)
-        alg = s["algorithm"]
-        if alg is None:
-            F.append(Finding(ERROR, f"{s['source']}: --speculative-algorithm missing", "EAGLE3", None,
-                             "speculation is off"))  # fmt: skip
-        elif str(alg).upper() != "EAGLE3":
-            F.append(Finding(ERROR, f"{s['source']}: speculative algorithm", "EAGLE3", alg,
-                             "EAGLE (EAGLE-2) skips fc and the aux states: τ ≈ 1" if str(alg).upper() == "EAGLE"
-                             else "this draft is an EAGLE-3 head"))  # fmt: skip
-        if s["source"] == "SGLang argv" and not s["draft_path"]:
-            F.append(Finding(ERROR, "--speculative-draft-model-path missing", dpath, None))
-        elif s["draft_path"] and dpath and Path(s["draft_path"]).resolve() != Path(dpath).resolve():
-            F.append(Finding(WARNING, f"{s['source']}: draft path differs from the audited draft", dpath,
-                             s["draft_path"]))  # fmt: skip
-        steps = (s["num_steps"], s["eagle_topk"], s["num_draft_tokens"])
-        try:
-            with warnings.catch_warnings(record=True) as w:
-                warnings.simplefilter("always")
-                resolve_params(*steps)
-            F += [
-                Finding(WARNING, f"{s['source']}: step flags", got=steps, why=str(x.message))
-                for x in w
-            ]
-        except SpecError as e:
-            F.append(Finding(ERROR, f"{s['source']}: step flags", got=steps, why=str(e)))
-        if s["context_length"] and c.max_position_embeddings < int(s["context_length"]):
-            F.append(Finding(ERROR, f"{s['source']}: context length beyond the draft's max_position_embeddings",
-                             f"<= {c.max_position_embeddings}", s["context_length"],
-                             "draft positions past its limit: acceptance collapses on long requests"))  # fmt: skip
-        if s["layer_ids"] is not None and s["layer_ids"].canonical != ids.canonical:
-            F.append(Finding(ERROR, f"{s['source']}: aux layer ids", f"{list(ids.ids)} ({CANONICAL})",
-                             f"{list(s['layer_ids'].canonical)} ({CANONICAL})"))  # fmt: skip
-        mp = s["model_path"]
-        if mp and (Path(mp) / "config.json").is_file():
-            a = (json.loads((Path(mp) / "config.json").read_text()).get("architectures") or [None])[
-                0
-            ]
-            if a and a != arch:
-                F += architecture_quirks(a, ids.ids, n_layers)
-    order = {ERROR: 0, WARNING: 1, INFO: 2}
-    return sorted(F, key=lambda f: order.get(f.severity, 3))
-
-
-def format_findings(findings: Sequence[Finding]) -> str:
-    if not findings:
-        return "no findings: draft, capture and serving agree"
-    n = Counter(f.severity for f in findings)
-    head = f"{n[ERROR]} error(s), {n[WARNING]} warning(s), {n[INFO]} note(s)"
-    return "\n".join([head] + [f"  {f}" for f in findings])

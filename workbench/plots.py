@@ -1,5 +1,8 @@
 """Plotly figure builders used by notebooks, plus the offline-embedding helpers the report
-runner uses (plotly.js goes into each HTML report once; reports are opened offline)."""
+runner uses (plotly.js goes into each HTML report once; reports are opened offline).
+
+Plots take data (dicts, lists, result objects), never a pipeline module: callers compute
+summaries (e.g. `capture.summarize`) and pass them in, so nothing here imports upward."""
 
 from __future__ import annotations
 
@@ -65,17 +68,16 @@ def norm_distributions(manifest: dict):
     return fig
 
 
-def length_histogram(reader):
-    """Sequence lengths of the captured conversations, with assistant-token share."""
+def length_histogram(lengths: list[int], summary: dict):
+    """Sequence lengths of the captured conversations, with assistant-token share.
+
+    `lengths`: tokens per sample (`CaptureReader.lengths()`); `summary`: `capture.summarize`."""
     import plotly.graph_objects as go
 
-    lengths = reader.lengths()
     fig = go.Figure(go.Histogram(x=lengths, nbinsx=40, name="conversation length"))
-    m = reader.manifest
-    share = m["num_loss_tokens"] / max(m["num_tokens"], 1)
     fig.update_layout(
-        title=f"Sequence lengths ({len(lengths)} samples, {m['num_tokens']} tokens, "
-        f"{share:.0%} assistant tokens under the loss mask)",
+        title=f"Sequence lengths ({len(lengths)} samples, {summary['tokens']} tokens, "
+        f"{summary['assistant_share']:.0%} assistant tokens under the loss mask)",
         xaxis_title="tokens per conversation",
         yaxis_title="samples",
         template="plotly_white",
@@ -84,13 +86,10 @@ def length_histogram(reader):
     return fig
 
 
-def bytes_per_token(reader):
-    """Where the disk bytes go, per token: aux states dominate."""
+def bytes_per_token(s: dict):
+    """Where the disk bytes go, per token: aux states dominate. `s`: `capture.summarize`."""
     import plotly.graph_objects as go
 
-    from workbench.capture import summarize
-
-    s = summarize(reader)
     parts = s["bytes_per_token_parts"]
     fig = go.Figure(
         go.Bar(
@@ -279,7 +278,7 @@ def wiring_bars(audit):
               for i, r in enumerate(rows)]  # fmt: skip
     fig = go.Figure(
         go.Bar(
-            x=[f"{r.name}<br>{r.layer_ids}" for r in rows],
+            x=[f"{r.name}<br>{list(r.layer_ids.ids)}" for r in rows],
             y=[r.tau for r in rows],
             marker_color=colors,
             error_y=dict(type="data", symmetric=False, array=[r.hi - r.tau for r in rows],
@@ -324,7 +323,8 @@ def cycle_time_breakdown(breakdown: dict):
 
 
 def speed_bars(rows: list[dict], chosen=None):
-    """Tokens/s per method, the chosen setting highlighted, plain decoding as a dashed line."""
+    """Tokens/s per method, the served setting (chosen on other prompts) highlighted, plain
+    decoding as a dashed line."""
     import plotly.graph_objects as go
 
     labels = [r["method"] if r["config"] == "-" else f"EAGLE-3 {r['config']}" for r in rows]
@@ -347,7 +347,8 @@ def speed_bars(rows: list[dict], chosen=None):
     )
     fig.add_hline(y=plain, line_dash="dash", annotation_text="plain decoding")
     fig.update_layout(
-        title="Decode speed, batch 1 (green: chosen setting; red: slower than plain)",
+        title="Decode speed, batch 1 (green: served setting, chosen on calibration prompts; "
+        "red: slower than plain)",
         yaxis_title="tokens / s",
         template="plotly_white",
         height=420,

@@ -1,10 +1,11 @@
-"""Local speculative decoding: EAGLE-3 chain + tree drafting, verify, rollback, trace."""
+"""Local speculative decoding: EAGLE-3 chain + tree drafting, verify, rollback, trace, speed.
+
+Accept lengths are computed by `workbench.metrics` only."""
 
 from workbench.engine.spec import (
     AUTO_PARAMS,
     DraftTree,
     Generation,
-    Measurement,
     RequestStats,
     SpecDecoder,
     SpecError,
@@ -12,17 +13,25 @@ from workbench.engine.spec import (
     accept_greedy,
     accept_sampling,
     check_draft,
-    choose_params,
     commit_path,
-    pooled_tau,
     resolve_params,
     select_accepted_hidden,
     speculative_generate,
 )
-from workbench.engine.trace import CycleRecord, TraceWriter, read_trace, trace_tau
+from workbench.engine.speed import (
+    PLAIN,
+    Measurement,
+    SpeedReport,
+    choose_params,
+    speed_figures,
+    speed_report,
+    speed_table,
+)
+from workbench.engine.trace import CycleRecord, TraceWriter, read_trace
 
 __all__ = [
     "AUTO_PARAMS",
+    "PLAIN",
     "CycleRecord",
     "DraftTree",
     "Generation",
@@ -31,16 +40,18 @@ __all__ = [
     "SpecDecoder",
     "SpecError",
     "SpecParams",
+    "SpeedReport",
     "TraceWriter",
     "accept_greedy",
     "accept_sampling",
     "check_draft",
     "choose_params",
     "commit_path",
-    "pooled_tau",
     "read_trace",
     "resolve_params",
     "select_accepted_hidden",
     "speculative_generate",
-    "trace_tau",
+    "speed_figures",
+    "speed_report",
+    "speed_table",
 ]

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from workbench import metrics
 from workbench.draft.model import Eagle3Draft
 from workbench.draft.model import KVCache as DraftCache
 from workbench.engine.trace import CycleRecord, TraceWriter
+from workbench.errors import WorkbenchError
 from workbench.layers import LayerIds, validate
 from workbench.llama import KVCache, Llama
 
@@ -40,7 +42,7 @@ RULE_ALL_OR_NONE = "set all three of num_steps, eagle_topk, num_draft_tokens, or
 RULE_HARD_LIMIT = "num_draft_tokens - 1 <= topk + (num_steps - 1) * topk^2"
 
 
-class SpecError(ValueError):
+class SpecError(WorkbenchError):
     """Speculation parameters, or a draft and target, that do not fit together."""
 
 
@@ -131,8 +133,8 @@ def check_draft(llm: Llama, draft: Eagle3Draft, layer_ids: LayerIds | None = Non
 
 @dataclass
 class RequestStats:
-    """Per-request counts. tau = decode_tokens / verify_forwards (the prefill token excluded;
-    SGLang's spec_accept_length counts it: completion_tokens / verify_ct)."""
+    """Per-request counts. `tau` is `metrics.tau` (prefill token excluded); `meta_info` gives
+    the same request in SGLang's `meta_info` fields (`spec_accept_length` = `metrics.tau_sglang`)."""
 
     request_id: str
     prompt_tokens: int = 0
@@ -147,13 +149,20 @@ class RequestStats:
 
     @property
     def tau(self) -> float:
-        return self.decode_tokens / self.verify_forwards if self.verify_forwards else 0.0
+        return metrics.tau(self.decode_tokens, self.verify_forwards)
 
-
-def pooled_tau(stats: Sequence[RequestStats]) -> float:
-    """Sum of decode tokens / sum of verify forwards (not a mean of per-request tau)."""
-    v = sum(s.verify_forwards for s in stats)
-    return sum(s.decode_tokens for s in stats) / v if v else 0.0
+    def meta_info(self, num_steps: int) -> dict:
+        """This request as SGLang's `meta_info` reports it, so engine and server compare 1:1."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "spec_verify_ct": self.verify_forwards,
+            "spec_accept_length": metrics.tau_sglang(self.completion_tokens, self.verify_forwards),
+            "spec_correct_drafts_histogram": metrics.histogram_from_accepted(
+                self.accepted, num_steps
+            ),
+            "spec_num_correct_drafts": sum(a - 1 for a in self.accepted),
+        }
 
 
 @dataclass
@@ -533,46 +542,3 @@ def speculative_generate(
     params = resolve_params(num_steps, eagle_topk, num_draft_tokens)
     dec = SpecDecoder(llm, draft, params, temperature=temperature, seed=seed, trace=trace)
     return dec.generate(prompt, max_new_tokens, eos_ids)
-
-
-@dataclass
-class Measurement:
-    """Decode speed of one setting (None = no speculation), measured in the same run."""
-
-    params: SpecParams | None
-    tokens: int
-    seconds: float
-    tau: float = 1.0
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def choose_params(
-    measured: Sequence[Measurement], min_gain: float = 1.02
-) -> tuple[SpecParams | None, str]:
-    """Pick the setting to serve: the fastest speculative one if it beats plain decoding by
-    `min_gain`, else no speculation. A weak draft's extra steps cost more draft forwards and a
-    wider verify than its accepts earn, so fewer steps (down to none) win; the reason says so.
-    """
-    plain = [m for m in measured if m.params is None]
-    spec = sorted((m for m in measured if m.params is not None), key=lambda m: -m.tok_s)
-    if len(plain) != 1:
-        raise ValueError(
-            f"choose_params needs exactly one baseline measurement (params=None), got {len(plain)}; "
-            "leave out other baselines such as HF generate, or the ratio is taken against the wrong one"
-        )
-    base = plain[0].tok_s
-    if not spec:
-        return None, "no speculative setting measured: decoding without speculation"
-    best = spec[0]
-    ratio = best.tok_s / base if base else 0.0
-    if ratio >= min_gain:
-        return best.params, (
-            f"speculation {best.params} (tau {best.tau:.2f}): {ratio:.2f}x plain decoding"
-        )
-    return None, (
-        f"no speculation: the best setting {best.params} (tau {best.tau:.2f}) reaches only "
-        f"{ratio:.2f}x plain decoding; the draft is too weak to pay for its steps"
-    )

@@ -84,10 +84,3 @@ def read_trace(path: str | os.PathLike) -> list[CycleRecord]:
         if line.strip():
             out.append(CycleRecord.from_dict(json.loads(line)))
     return out
-
-
-def trace_tau(records: list[CycleRecord]) -> float:
-    """Pooled accept length over a trace: sum(accepted) / number of (request, cycle) pairs."""
-    tok = sum(sum(r.accepted) for r in records)
-    n = sum(len(r.accepted) for r in records)
-    return tok / n if n else 0.0
