@@ -50,6 +50,7 @@ demo: $(STAMP)
 test: $(STAMP) browser $(SGLANG_STAMP)
 	$(BIN)/python -m pytest -q
 
+## Tiny models only: tests/conftest.py refuses a test that uses the real target unless marked slow.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 

@@ -20,7 +20,21 @@ def embedded_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory, embedded_dir) -> Path:
+def embedded_tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer and chat template, read from the embedded GGUF without converting its
+    weights (a few seconds; `embedded_dir` dequantizes the whole 135M model, for slow tests)."""
+    from transformers import AutoTokenizer
+
+    from workbench.target import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    out = tmp_path_factory.mktemp("embedded-tokenizer")
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, embedded_tokenizer_dir) -> Path:
     """A tiny random Llama (8 layers, hidden 64) that shares SmolLM2's tokenizer and chat template."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,8 +62,8 @@ def tiny_target_dir(tmp_path_factory, embedded_dir) -> Path:
         "chat_template.jinja",
         "special_tokens_map.json",
     ):
-        if (embedded_dir / name).is_file():
-            shutil.copy(embedded_dir / name, out / name)
+        if (embedded_tokenizer_dir / name).is_file():
+            shutil.copy(embedded_tokenizer_dir / name, out / name)
     return out
 
 
@@ -69,3 +83,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def pytest_collection_modifyitems(items):
+    """`make test-fast` (-m "not slow") must never convert the real 135M target."""
+    for item in items:
+        uses_real = "embedded_dir" in getattr(item, "fixturenames", ())
+        if uses_real and item.get_closest_marker("slow") is None:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the real embedded target (embedded_dir) but is not marked "
+                "slow; mark it @pytest.mark.slow or use tiny_target_dir / embedded_tokenizer_dir"
+            )

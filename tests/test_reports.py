@@ -1,5 +1,6 @@
 """Report runner: real papermill runs of tiny notebooks (seconds each), HTML offline embedding,
-failure path, parameter validation, recorded figures, pipeline stage cache, index, browser."""
+failure path, parameter validation, recorded figures, stage cache, index, browser, quiet
+progress, and errors that name the file."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from workbench import reports as R
+from workbench import report as R
+from workbench.report.figures import RUN_DIR_ENV
+from workbench.report.runner import input_artifacts
+from workbench.report.stages import resolve_references
 
 NB = Path(__file__).parent / "notebooks"
 PLOT, FAIL, STAGE = NB / "tiny_plot.ipynb", NB / "tiny_fail.ipynb", NB / "tiny_stage.ipynb"
+PROGRESS = NB / "tiny_progress.ipynb"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,7 +28,10 @@ def _venv_kernel():
     from jupyter_client.kernelspec import KernelSpecManager
 
     spec = KernelSpecManager().get_kernel_spec("python3")
-    assert spec.argv[0] in ("python", "python3", sys.executable), spec.argv
+    exe = spec.argv[0]
+    assert exe in ("python", "python3") or Path(exe).resolve() == Path(sys.executable).resolve(), (
+        spec.argv
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +88,7 @@ def test_recorded_figures_land_in_manifest_and_index(plot_run):
 
 
 def test_record_outside_runner_is_local(monkeypatch):
-    monkeypatch.delenv(R.RUN_DIR_ENV, raising=False)
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
     assert R.record("x", 3) == 3 and R.RECORDED["x"] == 3
 
 
@@ -147,7 +155,7 @@ def test_pipeline_passes_outputs_skips_and_forces(tmp_path):
         ),  # fmt: skip
     ]
     logs: list[str] = []
-    res = R.run_pipeline(stages, rd, log=logs.append)
+    res = R.run_stages(stages, rd, log=logs.append)
     assert [r.status for r in res] == ["ok", "ok"] and res[0].run_id == res[1].run_id
     assert res[1].figures["result"] == 12  # 10 + first's recorded result
     assert json.loads((art / "b" / "manifest.json").read_text()) == {"result": 12}
@@ -157,26 +165,26 @@ def test_pipeline_passes_outputs_skips_and_forces(tmp_path):
     assert (rd / R.STAGE_CACHE).is_file()
 
     logs.clear()
-    again = R.run_pipeline(stages, rd, log=logs.append)
+    again = R.run_stages(stages, rd, log=logs.append)
     assert [r.status for r in again] == ["skipped", "skipped"]
     assert sum("skipped" in s for s in logs) == 2 and again[1].figures["result"] == 12
     m = json.loads((again[0].run_dir / R.MANIFEST).read_text())
     assert [e["reused_from"] for e in m["notebooks"]] == [res[0].run_id] * 2
 
-    forced = R.run_pipeline(stages, rd, force=True, log=logs.append)
+    forced = R.run_stages(stages, rd, force=True, log=logs.append)
     assert [r.status for r in forced] == ["ok", "ok"]
 
     # a changed input artifact (second stage reads first's out_dir manifest) reruns only stage 2
     (art / "a" / "manifest.json").write_text('{"result": "edited"}')
-    part = R.run_pipeline(stages, rd, log=logs.append)
+    part = R.run_stages(stages, rd, log=logs.append)
     assert [r.status for r in part] == ["skipped", "ok"]
     assert len(R.list_runs(rd)) == 4
 
 
 def test_unresolved_reference_names_stage():
-    with pytest.raises(KeyError, match="no earlier stage named 'zzz'"):
-        R.resolve_references({"a": "${zzz.x}"}, {})
-    got = R.resolve_references(
+    with pytest.raises(R.ReportError, match="no earlier stage named 'zzz'"):
+        resolve_references({"a": "${zzz.x}"}, {})
+    got = resolve_references(
         {"a": "${s.x}", "b": "p-${s.x}"}, {"s": {"figures": {"x": 1}, "parameters": {}}}
     )
     assert got == {"a": 1, "b": "p-1"}
@@ -194,7 +202,7 @@ def test_index_and_compare(tmp_path):
     assert "tiny_stage: param value" in diffs and "tiny_stage: figure result" in diffs
     assert "package torch" not in diffs
     assert page.name in (tmp_path / "index.html").read_text()
-    with pytest.raises(FileNotFoundError, match="no run"):
+    with pytest.raises(R.ReportError, match="no run"):
         R.compare_runs(a.run_id, "nope", tmp_path)
 
 
@@ -202,7 +210,7 @@ def test_input_artifacts_hash_files_and_manifest_dirs(tmp_path):
     (tmp_path / "f.bin").write_bytes(b"abc")
     (d := tmp_path / "cap").mkdir()
     (d / "manifest.json").write_text("{}")
-    got = R.input_artifacts({"f": str(tmp_path / "f.bin"), "d": str(d), "x": "not-a-path", "n": 3})
+    got = input_artifacts({"f": str(tmp_path / "f.bin"), "d": str(d), "x": "not-a-path", "n": 3})
     assert set(got) == {"f", "d"} and got["d"]["kind"] == "dir-manifest"
     assert got["f"]["sha256"].startswith("ba7816bf")
 
@@ -251,3 +259,86 @@ def test_export_strips_cdn_from_notebook_renderer_output(tmp_path):
     html = R.export_html(ip, tmp_path / "x.html").read_text()
     assert not re.search(r"<script[^>]+src=", html) and html.count(_plotlyjs_head()) == 1
     assert html.count('class="plotly-graph-div"') == 1
+
+
+@pytest.mark.parametrize("fd_capture", [True, False])
+def test_progress_bar_goes_to_terminal_and_one_line_to_report(
+    tmp_path, capfd, monkeypatch, fd_capture
+):
+    """ipykernel pipes the kernel's fd 2 into the notebook (except under pytest, which it
+    detects by PYTEST_CURRENT_TEST); either way the bar must reach the terminal (the kernel's
+    original stderr, here pytest's) and leave only a summary line in the report."""
+    if fd_capture:
+        monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    r = R.run_notebook(PROGRESS, {"n": 40}, tmp_path)
+    nb = json.loads(r.ipynb.read_text())
+    outs = [o for c in nb["cells"] for o in c.get("outputs", [])]
+    text = "".join("".join(o.get("text", "")) for o in outs)
+    assert re.fullmatch(r"work: 40/40 step in \d+\.\ds\n", text), text
+    assert "%|" not in r.html.read_text()
+    assert "work: 100%|" in capfd.readouterr().err  # the terminal got the bar
+
+
+def test_cli_wrong_parameter_type_is_one_line_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    nb03 = Path(__file__).parents[1] / "notebooks" / "03_inspect_draft.ipynb"
+    res = CliRunner().invoke(
+        app, ["run", str(nb03), "-p", "n_prompts", "abc", "--reports-dir", str(tmp_path)]
+    )
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "n_prompts" in lines[0] and "'abc'" in lines[0], res.output
+    assert list(tmp_path.iterdir()) == []  # refused before anything ran
+
+
+def test_parameter_types_follow_notebook_defaults():
+    from workbench.report.params import ParameterError, validate_parameters
+
+    validate_parameters(PLOT, {"n_points": 3, "greeting": "hi", "seed": None})
+    for bad in ({"n_points": "3x"}, {"n_points": 2.5}, {"n_points": True}):
+        with pytest.raises(ParameterError, match="n_points must be an integer"):
+            validate_parameters(PLOT, bad)
+
+
+def test_corrupt_manifest_is_an_error_naming_it_not_replaced(tmp_path):
+    run = tmp_path / "20260101-000000-abcd"
+    run.mkdir()
+    (run / R.MANIFEST).write_text("{not json")
+    with pytest.raises(R.ReportError, match=re.escape(str(run / R.MANIFEST))):
+        R.run_notebook(STAGE, {"value": 1}, tmp_path, run_id=run.name)
+    assert (run / R.MANIFEST).read_text() == "{not json"  # left for the user to look at
+    with pytest.raises(R.ReportError, match="not valid JSON"):
+        R.write_index(tmp_path)
+
+
+def test_corrupt_stage_cache_is_an_error_naming_it(tmp_path):
+    (tmp_path / R.STAGE_CACHE).write_text("[")
+    with pytest.raises(R.ReportError, match=re.escape(str(tmp_path / R.STAGE_CACHE))):
+        R.run_stages([R.Stage(STAGE, {"value": 1})], tmp_path, log=lambda s: None)
+
+
+def test_unreadable_input_names_parameter_and_file(tmp_path, monkeypatch):
+    from workbench.report import runner
+
+    (f := tmp_path / "in.bin").write_bytes(b"x")
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(runner, "artifact_hash", denied)
+    with pytest.raises(R.ReportError, match=f"input in_dir={re.escape(str(f))}.*Permission denied"):
+        input_artifacts({"in_dir": str(f)})
+
+
+def test_project_notebooks_parse_without_papermill_warnings(caplog):
+    """Papermill warns (three times per run) about a parameters line it cannot parse, e.g. an
+    `=` inside a comment; such a parameter also cannot be validated."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="papermill")
+    for nb in sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb")):
+        assert R.notebook_parameters(nb), nb
+    assert [r.getMessage() for r in caplog.records] == []

@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.reports import Stage
+from workbench.errors import WorkbenchError
+from workbench.report import Stage
 from workbench.target import EMBEDDED_NAME, workbench_home
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 
 @dataclass(frozen=True)
-class Profile:
+class PipelineProfile:
     """How much data and training a pipeline run buys (sized for 2 CPU cores)."""
 
     name: str
@@ -25,13 +26,13 @@ class Profile:
     max_new_tokens: int  # regeneration length per assistant turn
     max_length: int  # capture truncation
     regen_samples: int  # answers per prompt (the first greedy, the others sampled)
-    train_profile: str  # workbench.draft.train.PROFILES key
+    train_profile: str  # a training preset name (workbench.draft.train)
     inspect_prompts: int  # MT-bench first turns for the offline inspection
     inspect_new_tokens: int
 
 
-PROFILES = {
-    "quick": Profile(
+PIPELINE_PROFILES = {
+    "quick": PipelineProfile(
         "quick",
         n_samples=400,
         max_new_tokens=192,
@@ -43,7 +44,7 @@ PROFILES = {
     ),
     # 2 h on 2 cores: all 1033 prompts answered twice (greedy + one sample at T=0.8), about
     # 45 min of regeneration, 25 of capture, 40 of training, then the inspection
-    "full": Profile(
+    "full": PipelineProfile(
         "full",
         n_samples=0,
         max_new_tokens=320,
@@ -68,11 +69,14 @@ def default_draft_dir(profile: str = "quick", target: str = EMBEDDED_NAME) -> Pa
 
 
 def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; expected one of {sorted(PROFILES)}")
-    p = PROFILES[profile]
+    """The capture -> train -> inspect stages of `workbench pipeline --profile NAME`."""
+    if profile not in PIPELINE_PROFILES:
+        raise WorkbenchError(
+            f"unknown pipeline profile {profile!r}; expected one of {sorted(PIPELINE_PROFILES)}"
+        )
+    p = PIPELINE_PROFILES[profile]
     home = artifacts_dir(profile, target)
-    out = [
+    return [
         Stage(
             NOTEBOOKS / "01_capture_hidden_states.ipynb",
             name="capture",
@@ -100,20 +104,15 @@ def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
                 "export_dir": str(home / "export-sglang"),
             },
         ),
+        Stage(
+            NOTEBOOKS / "03_inspect_draft.ipynb",
+            name="inspect",
+            parameters={
+                "target": target,
+                "draft": "${train.draft_dir}",
+                "capture_dir": "${capture.capture_dir}",
+                "n_prompts": p.inspect_prompts,
+                "max_new_tokens": p.inspect_new_tokens,
+            },
+        ),
     ]
-    nb03 = NOTEBOOKS / "03_inspect_draft.ipynb"
-    if nb03.is_file():
-        out.append(
-            Stage(
-                nb03,
-                name="inspect",
-                parameters={
-                    "target": target,
-                    "draft": "${train.draft_dir}",
-                    "capture_dir": "${capture.capture_dir}",
-                    "n_prompts": p.inspect_prompts,
-                    "max_new_tokens": p.inspect_new_tokens,
-                },
-            )
-        )
-    return out

@@ -1,0 +1,170 @@
+"""Pipelines: several notebooks in one run directory, outputs passed on as `${stage.name}`
+references, and a stage skipped (saying so) when its notebook, parameters and input artifacts
+match its last successful run (the cache in `reports/.stages.json`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.fsutil import atomic_write_json
+from workbench.report.errors import ReportError, read_json_file
+from workbench.report.figures import jsonable
+from workbench.report.html import write_index
+from workbench.report.manifest import MANIFEST, new_run_id, now, update_manifest
+from workbench.report.params import validate_parameters
+from workbench.report.runner import (
+    NotebookFailed,
+    RunResult,
+    input_artifacts,
+    looks_like_path,
+    notebook_hash,
+    run_notebook,
+)
+
+STAGE_CACHE = ".stages.json"
+_REF = re.compile(r"\$\{([A-Za-z0-9_\-]+)\.([A-Za-z0-9_\-]+)\}")
+
+
+@dataclass
+class Stage:
+    """One pipeline step. Parameter values may reference earlier stages as `${stage.name}`:
+    the stage's recorded figure `name` if it recorded one, else its parameter `name` (a whole-
+    string reference keeps the value's type). `outputs` names parameters this stage writes
+    (paths): they are not hashed as inputs, and a skip requires them to still exist."""
+
+    notebook: str | Path
+    parameters: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
+    outputs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.name = self.name or Path(self.notebook).stem
+        self.outputs = tuple(self.outputs)
+
+
+def resolve_references(
+    parameters: dict[str, Any], done: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Substitute `${stage.name}` references from finished stages (recorded figures first)."""
+
+    def lookup(stage: str, name: str) -> Any:
+        if stage not in done:
+            raise ReportError(f"reference ${{{stage}.{name}}}: no earlier stage named {stage!r}")
+        figs, params = done[stage]["figures"], done[stage]["parameters"]
+        if name in figs:
+            return figs[name]
+        if name in params:
+            return params[name]
+        have = sorted(set(figs) | set(params))
+        raise ReportError(
+            f"reference ${{{stage}.{name}}}: stage {stage!r} has no {name!r} (has {have})"
+        )
+
+    def sub(value: Any) -> Any:
+        if isinstance(value, str):
+            if m := _REF.fullmatch(value):
+                return lookup(*m.groups())
+            return _REF.sub(lambda m: str(lookup(*m.groups())), value)
+        if isinstance(value, list):
+            return [sub(v) for v in value]
+        if isinstance(value, dict):
+            return {k: sub(v) for k, v in value.items()}
+        return value
+
+    return {k: sub(v) for k, v in parameters.items()}
+
+
+def stage_key(stage: Stage, parameters: dict[str, Any]) -> str:
+    """What decides a skip: notebook content + resolved parameters + input artifact hashes."""
+    doc = {
+        "notebook": notebook_hash(stage.notebook),
+        "parameters": jsonable(parameters),
+        "inputs": {k: v["sha256"] for k, v in input_artifacts(parameters, stage.outputs).items()},
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _skip(stage: Stage, params: dict[str, Any], key: str, hit: dict[str, Any],
+          reports_dir: Path, run_dir: Path) -> RunResult:  # fmt: skip
+    """Link the stage's last successful run into this run's manifest instead of rerunning."""
+    stem = stage.name
+    assert stem is not None
+    prev = Path("..") / hit["run_id"]
+    entry = {
+        "notebook": stem, "source": str(stage.notebook), "stage": stem,
+        "status": "skipped", "reused_from": hit["run_id"], "parameters": jsonable(params),
+        "figures": hit.get("figures", {}), "duration_s": 0.0, "stage_key": key,
+        "ipynb": str(prev / f"{stem}.ipynb"), "html": str(prev / f"{stem}.html"),
+    }  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    update_manifest(run_dir, entry)
+    old = reports_dir / hit["run_id"]
+    return RunResult(run_dir.name, run_dir, stem, old / f"{stem}.ipynb", old / f"{stem}.html",
+                     run_dir / MANIFEST, "skipped", 0.0, params, entry["figures"])  # fmt: skip
+
+
+def run_stages(
+    stages: list[Stage],
+    reports_dir: str | Path = "reports",
+    run_id: str | None = None,
+    force: bool = False,
+    kernel_name: str | None = None,
+    log: Callable[[str], None] = lambda s: print(s, flush=True),
+    **run_kwargs: Any,
+) -> list[RunResult]:
+    """Run stages in order into one run directory; a stage whose key matches its last successful
+    run (cache in `reports/.stages.json`) is skipped, and says so, unless `force`."""
+    reports_dir = Path(reports_dir)
+    run_id = run_id or new_run_id()
+    run_dir = reports_dir / run_id
+    cache_path = reports_dir / STAGE_CACHE
+    done: dict[str, dict[str, Any]] = {}
+    results: list[RunResult] = []
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise ReportError(f"stage names must be unique: {names}")
+    for i, stage in enumerate(stages, 1):
+        assert stage.name is not None
+        params = resolve_references(stage.parameters, done)
+        validate_parameters(stage.notebook, params)
+        key = stage_key(stage, params)
+        hit = read_json_file(cache_path, "stage cache", {}).get(stage.name, {}).get(key)
+        if hit and not (reports_dir / hit["run_id"]).is_dir():
+            hit = None  # its report is gone: rerun rather than link to nothing
+        outputs_exist = all(
+            Path(params[o]).exists() for o in stage.outputs if looks_like_path(params.get(o))
+        )
+        prefix = f"[{i}/{len(stages)}] {stage.name}"
+        if hit and outputs_exist and not force:
+            log(
+                f"{prefix}: skipped, inputs unchanged since run {hit['run_id']} (use force to rerun)"
+            )
+            res = _skip(stage, params, key, hit, reports_dir, run_dir)
+        else:
+            log(f"{prefix}: {'forced' if hit and force else 'running'} {stage.notebook}")
+            try:
+                res = run_notebook(
+                    stage.notebook, params, reports_dir, run_id, kernel_name,
+                    exclude_inputs=stage.outputs, name=stage.name,
+                    manifest_extra={"stage": stage.name, "stage_key": key}, **run_kwargs,
+                )  # fmt: skip
+            except NotebookFailed as e:
+                log(f"{prefix}: FAILED: {e}")
+                raise
+            cache = read_json_file(cache_path, "stage cache", {})
+            cache.setdefault(stage.name, {})[key] = {
+                "run_id": run_id, "finished": now(), "figures": res.figures,
+                "duration_s": res.duration_s,
+            }  # fmt: skip
+            atomic_write_json(cache_path, cache, sort_keys=False)
+            log(f"{prefix}: ok in {res.duration_s:.1f}s -> {res.html}")
+        done[stage.name] = {"figures": res.figures, "parameters": params}
+        results.append(res)
+    write_index(reports_dir)
+    return results
