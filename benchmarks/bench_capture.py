@@ -3,6 +3,9 @@
 Plain = the target's base model over the same padded batches, no hooks, nothing stored.
 Capture = hooks + bf16 copies + norm statistics + shard writes (workbench.capture.capture).
 A ratio near 1 means capture adds little beyond the forward it must run anyway.
+
+`--verify DIR` instead measures what opening an existing capture for training costs with
+sha256 verification (the default) against without, next to one pass reading every sample.
 """
 
 from __future__ import annotations
@@ -13,10 +16,32 @@ import time
 
 import torch
 
-from workbench.capture import CaptureConfig, _pack_batches, capture
+from workbench.capture import CaptureConfig, CaptureReader, _pack_batches, capture
 from workbench.data import encode_conversation, load_mtbench
 from workbench.layers import default_layer_ids
 from workbench.target import load_target
+
+
+def verify_cost(path: str) -> None:
+    """Seconds to open a capture with and without verification, and to read it once."""
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
+
+    t_verify_first, r = timed(lambda: CaptureReader(path, verify=True))
+    t_verify, _ = timed(lambda: CaptureReader(path, verify=True))
+    t_open, _ = timed(lambda: CaptureReader(path, verify=False))
+    t_epoch, _ = timed(lambda: sum(int(s["aux_hidden"].shape[0]) for s in r))
+    size = sum((r.path / e["file"]).stat().st_size for e in r.manifest["shards"])
+    print(f"{path}: {len(r.manifest['shards'])} shards, {size / 1e6:.1f} MB, {len(r)} samples")
+    print(f"open without verification {t_open:.3f}s; with: {t_verify_first:.2f}s first, "
+          f"{t_verify:.2f}s again ({size / 1e9 / t_verify:.2f} GB/s); one read pass {t_epoch:.2f}s")  # fmt: skip
+    print(
+        f"RESULT verify_s={t_verify:.2f} verify_first_s={t_verify_first:.2f} "
+        f"open_s={t_open:.3f} read_pass_s={t_epoch:.2f} capture_mb={size / 1e6:.1f}"
+    )
 
 
 def main() -> None:
@@ -27,7 +52,10 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default="float32", help="target compute dtype")
     ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--verify", default="", metavar="DIR", help="time verifying this capture")
     args = ap.parse_args()
+    if args.verify:
+        return verify_cost(args.verify)
 
     t = load_target(args.target, dtype=args.dtype)
     answer = "Here is a careful answer. " * 12

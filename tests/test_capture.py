@@ -327,3 +327,19 @@ def test_capture_cli_validates_arguments_before_writing(tiny_target_dir, tmp_pat
     assert res.exit_code == 0, res.output
     assert "captured 3 samples" in res.output
     CaptureReader(out)
+
+
+def test_training_refuses_a_capture_with_a_flipped_byte(tiny_target, tiny_target_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    capture(tiny_target, _convs(), tmp_path / "c", _cfg(), progress=False)
+    _flip_middle_byte(tmp_path / "c" / "shard-00001.safetensors")
+    res = CliRunner().invoke(
+        app,
+        ["train", "--capture", str(tmp_path / "c"), "--out", str(tmp_path / "run"),
+         "--target", str(tiny_target_dir), "--max-steps", "1"],
+    )  # fmt: skip
+    _one_line_error(res, "shard-00001.safetensors: checksum mismatch")
+    assert not (tmp_path / "run").exists()

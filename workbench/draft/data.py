@@ -18,7 +18,7 @@ from workbench.fsutil import atomic_write_bytes
 from workbench.layers import CANONICAL, LayerIds, validate
 
 
-def open_capture(path: str | os.PathLike, verify: bool = False):
+def open_capture(path: str | os.PathLike, verify: bool = True):
     from workbench.capture import CaptureReader
 
     return CaptureReader(path, verify=verify)
