@@ -264,3 +264,39 @@ def fake_run(tmp_path: Path, d: Eagle3Draft) -> Path:
     )
     (ck.parent / "latest").write_text(ck.name + "\n")
     return tmp_path / "run"
+
+
+def test_export_never_replaces_a_folder_it_did_not_write(tmp_path):
+    """An HF model folder holds a config.json too: exporting onto it must not wipe it."""
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    model = tmp_path / "hf-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ExportError, match="not a draft export written by workbench"):
+        export_sglang(make_draft(), model, {})
+    run = fake_run(tmp_path, make_draft())
+    r = CliRunner().invoke(app, ["export", "--draft", str(run), "--out", str(model)])
+    assert r.exit_code == 2 and "refusing to replace" in r.output, r.output
+    assert sorted(p.name for p in model.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json"]  # fmt: skip
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-model", "run"]  # no temp left
+    # an empty folder, or one an export wrote, is fine (and is replaced whole)
+    out = export_sglang(make_draft(), tmp_path / "e", {})
+    assert (
+        json.loads((out / "workbench.json").read_text())["written_by"] == "workbench.draft.export"
+    )
+    export_speculators(make_draft(seed=2), out, "v")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Eagle3Speculator"]
+
+
+def test_exported_files_are_world_readable(tmp_path):
+    out = export_sglang(make_draft(), tmp_path / "e", {})
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, "workbench.json": 0o644}
+    assert out.stat().st_mode & 0o777 == 0o755

@@ -391,3 +391,123 @@ def test_split_keeps_answers_to_one_prompt_together():
     assert split_indices(150, 0.1, 256, seed=0)[1] == va
     assert split_indices(150, 0.1, 256, seed=1)[1] != va
     assert len(split_indices(150, 0.5, 20, seed=0)[1]) == 20  # val_max caps it
+
+
+def test_rerun_without_resume_is_refused_and_force_moves_the_old_run_aside(env):
+    target, reader, root = env
+    cfg = base_cfg(root, "rerun", max_steps=3, eval_every=100)
+    train(cfg, target, reader)
+    before = read_state(latest_checkpoint(cfg.out))["draft"]
+    with pytest.raises(TrainError, match="already holds a training run.*--resume.*--force"):
+        train(replace(cfg, lr=1e-2), target, reader)
+    assert latest_checkpoint(cfg.out).name == "step-00000003"  # untouched
+    assert torch.equal(read_state(latest_checkpoint(cfg.out))["draft"]["fc.weight"],
+                       before["fc.weight"])  # fmt: skip
+    s = train(replace(cfg, lr=1e-2, max_steps=2, force=True), target, reader)
+    assert s["step"] == 2 and Path(s["checkpoint"]).name == "step-00000002"
+    aside = list(root.glob("rerun.old-*"))
+    assert len(aside) == 1 and latest_checkpoint(aside[0]).name == "step-00000003"
+    with pytest.raises(TrainError, match="keep_ckpts must be an integer >= 1"):
+        train(replace(cfg, keep_ckpts=0, resume=True), target, reader)
+
+
+def test_a_second_training_into_a_locked_run_folder_is_refused(env):
+    from workbench.errors import InUseError
+    from workbench.fsutil import locked_dir
+
+    target, reader, root = env
+    cfg = base_cfg(root, "locked", max_steps=1)
+    with locked_dir(root / "locked", "training run folder"):
+        with pytest.raises(InUseError, match=f"in use by pid {os.getpid()}"):
+            train(cfg, target, reader)
+    assert not (root / "locked" / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ckpt-every", "0"], "ckpt_every must be an integer >= 1"),
+        (["--log-every", "0"], "log_every must be an integer >= 1"),
+        (["--ttt-len", "0"], "ttt_len must be an integer >= 1"),
+        (["--draft-vocab-size", "0"], "draft_vocab_size must be an integer >= 1"),
+        (["--amp", "fp8"], "amp must be auto, bf16 or off"),
+        (["--lr", "-1"], "lr must be a positive number"),
+        (["--max-steps", "0"], "max_steps must be an integer >= 1"),
+        (["--keep-ckpts", "0"], "keep_ckpts must be an integer >= 1"),
+        (["--device", "cuda"], "no CUDA GPU is available"),
+        (["--layer-ids", "1,2,3"], "needs --layer-convention"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_before_anything_is_written(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    if args[0] == "--device" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = tmp_path / "run"
+    r = CliRunner().invoke(app, ["train", "--capture", str(tmp_path / "cap"), "--out", str(out)]
+                           + args)  # fmt: skip
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_full_disk_at_a_checkpoint_is_named_leaves_no_temp_folder_and_resumes(env, monkeypatch):
+    import errno
+
+    import workbench.fsutil as fsutil
+    from workbench.errors import DiskFullError
+
+    target, reader, root = env
+    cfg = base_cfg(root, "diskfull", max_steps=6, ckpt_every=3, eval_every=100)
+    real, calls = fsutil.os.fsync, []
+
+    def fsync(fd):
+        calls.append(fd)
+        if latest_checkpoint(cfg.out) is not None:  # the second checkpoint hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(fsutil.os, "fsync", fsync)
+    with pytest.raises(DiskFullError, match="disk full while writing"):
+        train(cfg, target, reader)
+    monkeypatch.undo()
+    ckpts = Path(cfg.out, "checkpoints")
+    assert (
+        not list(ckpts.glob(".tmp-step-*")) and latest_checkpoint(cfg.out).name == "step-00000003"
+    )
+    (ckpts / ".tmp-step-00000006-99999").mkdir()  # what a kill -9 mid-write leaves
+    s = train(replace(cfg, resume=True), target, reader)
+    assert s["step"] == 6 and not list(ckpts.glob(".tmp-step-*"))
+
+
+def test_a_failed_fresh_run_leaves_no_run_folder(env, tmp_path):
+    from workbench.draft.vocab import DraftVocab
+
+    target, reader, root = env
+    other = DraftVocab(torch.tensor([1, 3, 4, 7, 9, 12, 20, 30]), target_vocab_size=V + 1)
+    other.save(tmp_path / "vocab.json")
+    cfg = base_cfg(root, "failed", max_steps=2, vocab=str(tmp_path / "vocab.json"))
+    with pytest.raises(TrainError, match="vocab is for a 257-token target"):
+        train(cfg, target, reader)
+    assert not Path(cfg.out).exists()
+
+
+def test_a_crafted_argmax_cache_is_refused_and_runs_nothing(env, tmp_path):
+    import pickle
+
+    target, reader, root = env
+    marker = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_config.json").write_text("{}")  # a run killed before its first checkpoint
+    (out / "target_argmax.pt").write_bytes(pickle.dumps({"key": RunsCode()}))
+    with pytest.raises(TrainError, match="refusing to load.*could run code"):
+        train(base_cfg(root, "x", out=str(out), max_steps=1, resume=True), target, reader)
+    assert not marker.exists()
