@@ -420,5 +420,108 @@ def audit(
         raise typer.Exit(1)
 
 
+@app.command()
+def serve(
+    backend: str = typer.Option("local", help="local (the embedded engine) | sglang"),
+    url: str = typer.Option("", "--url", help="attach to a running server instead of launching"),
+    target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
+    draft: str = typer.Option("", help="draft export or training run; empty: no speculation"),
+    num_steps: int = typer.Option(0, help="--speculative-num-steps (0 with the next two: auto)"),
+    eagle_topk: int = typer.Option(0, help="--speculative-eagle-topk"),
+    num_draft_tokens: int = typer.Option(0, help="--speculative-num-draft-tokens"),
+    tp_size: int = typer.Option(1, help="tensor parallelism (sglang backend only)"),
+    dtype: str = typer.Option("float32"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(0, help="0 picks a free port"),
+    trace: str = typer.Option("", help="local: write the per-cycle trace (JSON lines) here"),
+    log: str = typer.Option("", help="server log (default reports/serve/<backend>-<port>.log)"),
+    deadline: float = typer.Option(600.0, help="seconds to wait for /health"),
+) -> None:
+    """Launch a server (or attach with --url), print its URL and exact argv, serve until Ctrl-C."""
+    import shlex
+    from pathlib import Path
+
+    from workbench.errors import InUseError
+    from workbench.serving import process
+    from workbench.serving.client import get_server_info
+
+    if backend not in ("local", "sglang"):
+        _fail(f"--backend must be local or sglang, got {backend!r}")
+    if url:
+        process.attach(url)
+        info = get_server_info(url)
+        typer.echo(f"attached to {url.rstrip('/')}")
+        keys = ("version", "model_path", "tp_size", "speculative_algorithm",
+                "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")  # fmt: skip
+        typer.echo(", ".join(f"{k}={info.get(k)}" for k in keys if k in info))
+        return
+    if backend == "sglang":
+        _fail("launching SGLang needs workbench/serving/sglang.py (not in this checkout yet); "
+              "start SGLang yourself and attach with --url")  # fmt: skip
+    from workbench.serving.local import LocalConfig, resolve_spec
+
+    if tp_size != 1:
+        _fail("the local backend runs in one process (--tp-size 1); use --backend sglang for "
+              "tensor parallelism")  # fmt: skip
+    spec = [v or None for v in (num_steps, eagle_topk, num_draft_tokens)]
+    cfg = LocalConfig(model_path=target, draft=draft, num_steps=spec[0], eagle_topk=spec[1],
+                      num_draft_tokens=spec[2], dtype=dtype, trace_path=trace or None)  # fmt: skip
+    resolve_spec(cfg)  # bad settings fail here, not in the child's log
+    if port and process.port_in_use(host, port):
+        raise InUseError(
+            f"port {port} on {host} is in use; pick another --port or 0 for a free one"
+        )
+    port = port or process.free_port(host)
+    argv = cfg.argv(host, port)
+    server_url = f"http://{host}:{port}"
+    log_path = Path(log or f"reports/serve/{backend}-{port}.log")
+    typer.echo("argv: " + shlex.join(argv))
+    with process.start(argv, log_path, server_url, deadline_s=deadline) as server:
+        typer.echo(f"serving at {server_url} (healthy after {server.start_s:.1f} s; log "
+                   f"{log_path}); Ctrl-C stops it")  # fmt: skip
+        try:
+            code = server.proc.wait()
+        except KeyboardInterrupt:
+            typer.echo("stopping")
+            return
+    _fail(f"server exited with code {code}; log {log_path}:\n{process.log_tail(log_path)}")
+
+
+@app.command()
+def load(
+    url: str = typer.Option(..., "--url", help="server base URL (workbench serve prints it)"),
+    prompts: str = typer.Option("mtbench", help="mtbench | humaneval | a .jsonl file"),
+    n: int = typer.Option(16, help="number of prompts, first turns (0 = all)"),
+    target: str = typer.Option(
+        "smollm2-135m", help="tokenizer + chat template, sent as input_ids ('' sends raw text)"
+    ),
+    max_new_tokens: int = typer.Option(128),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    concurrency: int = typer.Option(1, help="requests in flight at most"),
+    request_rate: float = typer.Option(0.0, help="requests/s, Poisson arrivals (0 = no limit)"),
+    stream: bool = typer.Option(True, help="stream (needed for TTFT/ITL)"),
+    ignore_eos: bool = typer.Option(False),
+    out: str = typer.Option("", help="results file (default reports/load/load-<UTC time>.json)"),
+) -> None:
+    """Send a prompt set to a server (local or SGLang) and write one results file.
+
+    Exits 1 when the run is partial (the server died, requests failed) or SGLang's identities
+    fail on any request."""
+    import time
+
+    from workbench.serving import client as lc
+
+    tok = lc.load_tokenizer(target) if target else None
+    reqs = lc.build_requests(prompts, n or None, tok)
+    cfg = lc.LoadConfig(url, max_new_tokens=max_new_tokens, temperature=temperature,
+                        concurrency=concurrency, request_rate=request_rate or float("inf"),
+                        stream=stream, ignore_eos=ignore_eos)  # fmt: skip
+    path = out or time.strftime("reports/load/load-%Y%m%d-%H%M%S.json", time.gmtime())
+    run = lc.run_load(cfg, reqs, path)
+    typer.echo(lc.format_summary(run))
+    if run.status != "complete" or not run.summary["identities_ok"]:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()
