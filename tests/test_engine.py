@@ -30,6 +30,7 @@ from workbench.engine import (
     select_accepted_hidden,
     speculative_generate,
     speed_figures,
+    speed_report,
 )
 from workbench.errors import WorkbenchError
 from workbench.generate import generate_batch
@@ -287,6 +288,14 @@ def test_served_setting_is_reported_as_measured_on_other_prompts():
     assert f["best_speedup"] == pytest.approx(1.05) and f["best_speedup_config"] == "3/1/4"
     with pytest.raises(ValueError, match="not measured"):
         speed_figures(SpecParams(5, 4, 8), rows)
+
+
+def test_speed_report_refuses_to_choose_on_the_reporting_prompts():
+    """The served setting is chosen on other prompts than the figures are measured on."""
+    with pytest.raises(ValueError, match="both calibration and reporting"):
+        speed_report(None, None, None, [[5, 6, 7]], [[1, 2], [5, 6, 7]], [], 8, [])
+    with pytest.raises(ValueError, match="needs calibration and reporting prompts"):
+        speed_report(None, None, None, [], [[1, 2]], [], 8, [])
 
 
 # ---------------------------------------------------------------- trace

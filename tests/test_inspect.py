@@ -103,6 +103,22 @@ def test_parse_serving_argv():
     )
 
 
+def test_plots_take_data_not_modules():
+    import ast
+    import inspect as pyinspect
+
+    from workbench import plots
+
+    tree = ast.parse(pyinspect.getsource(plots))
+    imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+    imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in imported if m.startswith("workbench")], imported
+    summary = {"tokens": 40, "assistant_share": 0.25, "dtype": "bfloat16", "disk_bytes": 4e6,
+               "bytes_per_token": 100.0, "bytes_per_token_parts": {"aux_hidden": 96, "input_ids": 8}}  # fmt: skip
+    assert "25% assistant" in plots.length_histogram([10, 30], summary).layout.title.text
+    assert "4.0 MB" in plots.bytes_per_token(summary).layout.title.text
+
+
 # ---------------------------------------------------------------- a draft trained to a known answer
 
 
