@@ -1,4 +1,5 @@
-"""Training checkpoints: atomic step folders, a `latest` pointer, RNG state, resume checks.
+"""Training run folders and checkpoints: claiming a folder (refuse a rerun over an existing
+run; --force moves it aside), atomic step folders, a `latest` pointer, RNG state, resume checks.
 
 Layout: `RUN/checkpoints/step-NNNNNNNN/{state.pt, draft_config.json}` and `RUN/checkpoints/
 latest` (the folder name). `state.pt` holds tensors and plain data only (weights, optimizer,
@@ -10,12 +11,15 @@ temp folder, and a resumed run sweeps any a killed one left behind.
 
 from __future__ import annotations
 
+import datetime as _dt
 import errno
 import io
+import json
 import os
 import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ import torch
 
 from workbench.draft.errors import TrainError
 from workbench.errors import DiskFullError
-from workbench.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
+from workbench.fsutil import LOCK_FILE, atomic_write_bytes, atomic_write_json, atomic_write_text
 
 STATE_FILE = "state.pt"
 CHECKPOINTS = "checkpoints"
@@ -66,6 +70,48 @@ def set_rng_state(st: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
+
+
+# ---------------------------------------------------------------- the run folder
+
+
+def _is_empty(out: Path) -> bool:
+    return not out.exists() or all(p.name == LOCK_FILE for p in out.iterdir())
+
+
+def claim_run_dir(out: Path, *, resume: bool, force: bool) -> None:
+    """Refuse to start afresh over an existing run; with --force, move it aside first.
+
+    Call with the folder's lock held."""
+    if _is_empty(out) or (resume and (out / "train_config.json").is_file()):
+        return
+    if resume:
+        raise TrainError(
+            f"{out} is not a training run folder (no train_config.json): choose another --out"
+        )
+    if not force:
+        raise TrainError(
+            f"{out} already holds a training run: pass --resume to continue it, or --force to "
+            "move it aside and start afresh"
+        )
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    aside = out.with_name(f"{out.name}.old-{stamp}")
+    os.replace(out, aside)  # the held lock file moves with it; the new folder gets its own
+    out.mkdir()
+    print(f"moved the previous run aside to {aside}", file=sys.stderr)
+
+
+def append_jsonl(log: Path, rec: dict) -> None:
+    """Append one record; a full disk is named as such."""
+    try:
+        with open(log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(
+                f"disk full while writing {log}: free space and rerun with --resume"
+            ) from e
+        raise
 
 
 # ---------------------------------------------------------------- write

@@ -16,8 +16,6 @@ Run: `python -m workbench.draft.train --capture DIR --out DIR` or under
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import errno
 import json
 import math
 import os
@@ -33,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 from workbench.draft.checkpoint import (
+    append_jsonl,
     check_resume,
+    claim_run_dir,
     clean_tmp,
     latest_checkpoint,
     read_state,
@@ -60,8 +60,7 @@ from workbench.draft.vocab import (
     capture_hash,
     coverage,
 )
-from workbench.errors import DiskFullError
-from workbench.fsutil import LOCK_FILE, atomic_write_json, atomic_write_text, locked_dir
+from workbench.fsutil import atomic_write_json, atomic_write_text, locked_dir
 from workbench.layers import CONVENTIONS, LayerIds
 
 __all__ = ["PRESETS", "TrainConfig", "TrainError", "latest_checkpoint", "preset", "train"]
@@ -270,47 +269,6 @@ def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
     return x
 
 
-# ---------------------------------------------------------------- the run folder
-
-
-def _is_empty(out: Path) -> bool:
-    return not out.exists() or all(p.name == LOCK_FILE for p in out.iterdir())
-
-
-def claim_run_dir(out: Path, cfg: TrainConfig) -> None:
-    """Refuse to start afresh over an existing run; with --force, move it aside first.
-
-    Call with the folder's lock held."""
-    if _is_empty(out) or (cfg.resume and (out / "train_config.json").is_file()):
-        return
-    if cfg.resume:
-        raise TrainError(
-            f"{out} is not a training run folder (no train_config.json): choose another --out"
-        )
-    if not cfg.force:
-        raise TrainError(
-            f"{out} already holds a training run: pass --resume to continue it, or --force to "
-            "move it aside and start afresh"
-        )
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    aside = out.with_name(f"{out.name}.old-{stamp}")
-    os.replace(out, aside)  # the held lock file moves with it; the new folder gets its own
-    out.mkdir()
-    print(f"moved the previous run aside to {aside}", file=sys.stderr)
-
-
-def _append(log: Path, rec: dict) -> None:
-    try:
-        with open(log, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFullError(
-                f"disk full while writing {log}: free space and rerun with --resume"
-            ) from e
-        raise
-
-
 # ---------------------------------------------------------------- train
 
 
@@ -336,7 +294,7 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
         created = not out.exists()
         with locked_dir(out, "training run folder"):
             try:
-                claim_run_dir(out, cfg)
+                claim_run_dir(out, resume=cfg.resume, force=cfg.force)
                 return _train(cfg, target, reader, cap_ids, device, d)
             except BaseException:
                 clean_tmp(out)
@@ -438,7 +396,7 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     def emit(rec: dict) -> None:
         metrics.append(rec)
         if d.main:
-            _append(log, rec)
+            append_jsonl(log, rec)
 
     def checkpoint() -> None:
         if d.main:
@@ -527,24 +485,12 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
                 stacklevel=2,
             )
     ck = latest_checkpoint(out) if not killed else None
-    return {
-        "step": step,
-        "steps_planned": total,
-        "stopped_early": stopped_early,
-        "stopped": killed,
-        "acc": last_eval.get("acc"),
-        "a": last_eval.get("a"),
-        "tau": last_eval.get("tau"),
-        "tau_k": last_eval.get("tau_k"),
-        "acc_all": last_eval.get("acc_all"),
-        "tau_all": last_eval.get("tau_all"),
-        "in_vocab": last_eval.get("in_vocab"),
-        "tok_s": toks / max(elapsed, 1e-9),
-        "elapsed_s": elapsed,
-        "checkpoint": str(ck) if ck else None,
-        "out": str(out),
-        "world_size": d.world,
+    ev = {
+        k: last_eval.get(k) for k in ("acc", "a", "tau", "tau_k", "acc_all", "tau_all", "in_vocab")
     }
+    return {"step": step, "steps_planned": total, "stopped_early": stopped_early,
+            "stopped": killed, **ev, "tok_s": toks / max(elapsed, 1e-9), "elapsed_s": elapsed,
+            "checkpoint": str(ck) if ck else None, "out": str(out), "world_size": d.world}  # fmt: skip
 
 
 def _ntok(gb: list[int], lengths: list[int], max_len: int, d: Dist) -> float:
