@@ -587,7 +587,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from workbench.errors import WorkbenchError
+
     try:
         sys.exit(main())
-    except TrainError as e:
-        sys.exit(f"error: {e}")
+    except WorkbenchError as e:  # the same one line as `workbench train`
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
