@@ -79,26 +79,32 @@ def _is_empty(out: Path) -> bool:
     return not out.exists() or all(p.name == LOCK_FILE for p in out.iterdir())
 
 
-def claim_run_dir(out: Path, *, resume: bool, force: bool) -> None:
-    """Refuse to start afresh over an existing run; with --force, move it aside first.
+def claim_run_dir(out: Path, *, resume: bool, force: bool) -> Path | None:
+    """Refuse to start afresh over an existing run (or a folder of other files); with --force,
+    move it aside to `out.old-<time>` and return where it went (None: nothing moved).
 
-    Call with the folder's lock held."""
+    Call with the folder's lock held (the lock file moves aside with the old run: lock the new
+    folder again)."""
     if _is_empty(out) or (resume and (out / "train_config.json").is_file()):
-        return
-    if resume:
-        raise TrainError(
-            f"{out} is not a training run folder (no train_config.json): choose another --out"
-        )
+        return None
+    is_run = (out / "train_config.json").is_file()
+    what = "a training run" if is_run else "files that are not a training run"
+    if resume and not is_run:
+        raise TrainError(f"{out} holds {what} (no train_config.json): choose another --out")
     if not force:
         raise TrainError(
-            f"{out} already holds a training run: pass --resume to continue it, or --force to "
-            "move it aside and start afresh"
+            f"{out} already holds {what}: pass --resume to continue a run, or --force to "
+            "move the folder aside and start afresh"
         )
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    aside = out.with_name(f"{out.name}.old-{stamp}")
-    os.replace(out, aside)  # the held lock file moves with it; the new folder gets its own
+    aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while aside.exists():
+        n += 1
+        aside = out.with_name(f"{out.name}.old-{stamp}-{n}")
+    os.replace(out, aside)
     out.mkdir()
-    print(f"moved the previous run aside to {aside}", file=sys.stderr)
+    print(f"moved the previous contents of {out} aside to {aside}", file=sys.stderr)
+    return aside
 
 
 def append_jsonl(log: Path, rec: dict) -> None:

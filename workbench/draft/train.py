@@ -16,6 +16,7 @@ Run: `python -m workbench.draft.train --capture DIR --out DIR` or under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -292,9 +293,12 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
         if not d.main:
             return _train(cfg, target, reader, cap_ids, device, d)
         created = not out.exists()
-        with locked_dir(out, "training run folder"):
+        with contextlib.ExitStack() as locks:
+            locks.enter_context(locked_dir(out, "training run folder"))
             try:
-                claim_run_dir(out, resume=cfg.resume, force=cfg.force)
+                if claim_run_dir(out, resume=cfg.resume, force=cfg.force) is not None:
+                    created = True  # the old run went aside with its lock: lock the new folder
+                    locks.enter_context(locked_dir(out, "training run folder"))
                 return _train(cfg, target, reader, cap_ids, device, d)
             except BaseException:
                 clean_tmp(out)
