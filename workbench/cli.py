@@ -403,10 +403,17 @@ def audit(
     target: str = typer.Option(
         "", "--target", help="target (HF dir, .gguf, 'smollm2-135m') to check against"
     ),
+    wiring: bool = typer.Option(
+        False, "--wiring", help="also run the teacher-forced wiring audit (ends with RESULT)"
+    ),
 ) -> None:
     """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags).
 
-    Prints every disagreement; exits 1 when any is an error."""
+    Prints every disagreement; exits 1 when any is an error. --wiring: which aux layers the
+    draft predicts best from, teacher-forced on the capture's held-out split (found from the
+    draft's provenance, or --capture) + greedy continuations of MT-bench prompts; the last
+    line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; a shifted wiring that
+    wins exits 1."""
     from workbench.audit import config_audit, format_findings, has_errors
     from workbench.target import load_target
 
@@ -416,7 +423,15 @@ def audit(
     except FileNotFoundError as e:  # a missing draft or capture path: not a WorkbenchError yet
         _fail(str(e))
     typer.echo(format_findings(findings))
-    if has_errors(findings):
+    bad_wiring = False
+    if wiring:
+        from workbench.wiring import SHIFTED_WINS, audit_draft_dir
+
+        tf = audit_draft_dir(draft, capture or None, target or None)
+        typer.echo(tf.format())
+        typer.echo(tf.result_line())
+        bad_wiring = tf.verdict == SHIFTED_WINS
+    if has_errors(findings) or bad_wiring:
         raise typer.Exit(1)
 
 
@@ -439,6 +454,7 @@ def serve(
 ) -> None:
     """Launch a server (or attach with --url), print its URL and exact argv, serve until Ctrl-C."""
     import shlex
+    import time
     from pathlib import Path
 
     from workbench.errors import InUseError
@@ -455,14 +471,8 @@ def serve(
                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")  # fmt: skip
         typer.echo(", ".join(f"{k}={info.get(k)}" for k in keys if k in info))
         return
-    if backend == "sglang":
-        _fail("launching SGLang needs workbench/serving/sglang.py (not in this checkout yet); "
-              "start SGLang yourself and attach with --url")  # fmt: skip
     from workbench.serving.local import LocalConfig, resolve_spec
 
-    if tp_size != 1:
-        _fail("the local backend runs in one process (--tp-size 1); use --backend sglang for "
-              "tensor parallelism")  # fmt: skip
     spec = [v or None for v in (num_steps, eagle_topk, num_draft_tokens)]
     cfg = LocalConfig(model_path=target, draft=draft, num_steps=spec[0], eagle_topk=spec[1],
                       num_draft_tokens=spec[2], dtype=dtype, trace_path=trace or None)  # fmt: skip
@@ -471,13 +481,35 @@ def serve(
         raise InUseError(
             f"port {port} on {host} is in use; pick another --port or 0 for a free one"
         )
+    if backend == "sglang":
+        from dataclasses import replace
+
+        from workbench.serving import sglang
+        from workbench.serving.session import sglang_spec
+
+        ss = replace(sglang_spec(cfg, tp_size), host=host, port=port or None)
+        log_path = Path(log or time.strftime("reports/serve/sglang-%Y%m%d-%H%M%S.log"))
+        server = sglang.launch(ss, log_path, deadline_s=deadline)
+        typer.echo("argv: " + shlex.join(server.argv))
+        _wait_served(server, log_path)
+        return
+    if tp_size != 1:
+        _fail("the local backend runs in one process (--tp-size 1); use --backend sglang for "
+              "tensor parallelism")  # fmt: skip
     port = port or process.free_port(host)
     argv = cfg.argv(host, port)
-    server_url = f"http://{host}:{port}"
-    log_path = Path(log or f"reports/serve/{backend}-{port}.log")
+    log_path = Path(log or f"reports/serve/local-{port}.log")
     typer.echo("argv: " + shlex.join(argv))
-    with process.start(argv, log_path, server_url, deadline_s=deadline) as server:
-        typer.echo(f"serving at {server_url} (healthy after {server.start_s:.1f} s; log "
+    _wait_served(process.start(argv, log_path, f"http://{host}:{port}", deadline_s=deadline),
+                 log_path)  # fmt: skip
+
+
+def _wait_served(server, log_path) -> None:
+    """Serve until Ctrl-C (then tear down) or until the server exits by itself (an error)."""
+    from workbench.serving import process
+
+    with server:
+        typer.echo(f"serving at {server.url} (healthy after {server.start_s:.1f} s; log "
                    f"{log_path}); Ctrl-C stops it")  # fmt: skip
         try:
             code = server.proc.wait()

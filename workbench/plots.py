@@ -354,3 +354,81 @@ def speed_bars(rows: list[dict], chosen=None):
         height=420,
     )
     return fig
+
+
+# ---------------------------------------------------------------- live serving (notebook 04)
+
+
+def accept_histogram(hist: list[int], tau_sglang: float, tau: float):
+    """Verify cycles by the number of draft tokens they accepted (SGLang's
+    `spec_correct_drafts_histogram`, pooled over requests); a cycle emits that many + 1."""
+    import plotly.graph_objects as go
+
+    total = sum(hist) or 1
+    fig = go.Figure(
+        go.Bar(x=list(range(len(hist))), y=hist, text=[f"{h / total:.0%}" for h in hist],
+               textposition="outside",
+               hovertemplate="%{x} accepted: %{y} cycles<extra></extra>")
+    )  # fmt: skip
+    fig.update_layout(
+        title=f"Accepted draft tokens per verify: pooled accept length {tau_sglang:.2f} "
+        f"(SGLang's, prefill token counted), tau {tau:.2f} (decode tokens per verify)",
+        xaxis_title="draft tokens accepted in a verify cycle",
+        yaxis_title="verify cycles",
+        template="plotly_white",
+        height=400,
+    )
+    return fig
+
+
+def histogram_acceptance_bars(a: list[float]):
+    """Per-position acceptance a_i derived from the served histogram (conditional on the
+    earlier positions accepted)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(
+        go.Bar(x=[f"pos {i}" for i in range(len(a))], y=a, text=[f"{v:.2f}" for v in a],
+               textposition="outside")
+    )  # fmt: skip
+    fig.update_layout(
+        title="Per-position acceptance while serving (from spec_correct_drafts_histogram)",
+        xaxis_title="draft position i",
+        yaxis_title="P(token i accepted | tokens < i accepted)",
+        yaxis_range=[0, 1.1],
+        template="plotly_white",
+        height=400,
+    )
+    return fig
+
+
+def serving_comparison(summaries: dict[str, dict]):
+    """Output tokens/s and request latency p50/p90 per server (e.g. EAGLE-3 vs plain)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    names = list(summaries)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("output tokens / s", "latency (s)"))
+    fig.add_trace(go.Bar(x=names, y=[summaries[n]["output_tok_s"] for n in names],
+                         text=[f"{summaries[n]['output_tok_s']:.1f}" for n in names],
+                         textposition="outside", showlegend=False), 1, 1)  # fmt: skip
+    for q in ("p50", "p90"):
+        fig.add_trace(go.Bar(x=names, y=[summaries[n][f"latency_s_{q}"] for n in names],
+                             name=f"latency {q}"), 1, 2)  # fmt: skip
+    fig.update_layout(title="Same server and prompts, with and without speculation",
+                      template="plotly_white", height=420, barmode="group")  # fmt: skip
+    return fig
+
+
+def ttft_itl_boxes(samples: dict[str, dict[str, list[float]]]):
+    """TTFT and inter-chunk latency (ms) per server; samples[name] = {"ttft": [...], "itl": [...]}."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("time to first token (ms)",
+                                                        "inter-chunk latency (ms)"))  # fmt: skip
+    for name, s in samples.items():
+        fig.add_trace(go.Box(y=[v * 1e3 for v in s["ttft"]], name=name, showlegend=False), 1, 1)
+        fig.add_trace(go.Box(y=[v * 1e3 for v in s["itl"]], name=name, showlegend=False), 1, 2)
+    fig.update_layout(title="TTFT and ITL (a chunk is one verify's tokens with speculation)",
+                      template="plotly_white", height=420)  # fmt: skip
+    return fig

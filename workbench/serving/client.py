@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -350,6 +351,28 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
     return s
 
 
+def _run_sync(coro) -> None:
+    """asyncio.run, also from inside a running loop (Jupyter): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(coro)
+        except BaseException as e:  # handed to the caller below
+            errors.append(e)
+
+    t = threading.Thread(target=target, name="load-client")
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
 def run_load(
     cfg: LoadConfig,
     reqs: Sequence[LoadRequest],
@@ -369,7 +392,7 @@ def run_load(
     state: dict[str, Any] = {"duration_s": 0.0, "server_died": False}
     status, reason = "partial", "interrupted"
     try:
-        asyncio.run(_run(cfg, reqs, results, state))
+        _run_sync(_run(cfg, reqs, results, state))
         if state["server_died"]:
             reason = "server died mid-load: completed requests kept, the rest failed or unsent"
         elif any(not r.ok for r in results):

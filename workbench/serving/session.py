@@ -1,0 +1,90 @@
+"""A server for a notebook or a sweep: attached by URL, or launched for the block and torn down.
+
+The local backend runs in a thread of this process (bound to 127.0.0.1, a free port): no
+start-up cost beyond loading the models, and nothing can outlive the kernel. SGLang runs as
+its own process group through `workbench.serving.sglang` (see there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbench.serving.local import LocalConfig, LocalServer, load_engine
+from workbench.serving.process import ServerError, attach
+
+BACKENDS = ("local", "sglang")
+
+
+@dataclass
+class Session:
+    url: str
+    backend: str
+    launched: bool
+    argv: list[str] = field(default_factory=list)  # the command that serves the same thing
+    start_s: float = 0.0
+
+
+def sglang_spec(cfg: LocalConfig, tp_size: int = 1, device: str = "auto"):
+    """The SGLang serve spec of the same settings (`device` auto: cuda when present, else cpu)."""
+    from workbench.serving.sglang import ServeSpec
+
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ServeSpec(
+        target=cfg.model_path,
+        draft=cfg.draft if cfg.speculative else None,
+        speculative_algorithm=cfg.speculative_algorithm if cfg.speculative else None,
+        speculative_num_steps=cfg.num_steps,
+        speculative_eagle_topk=cfg.eagle_topk,
+        speculative_num_draft_tokens=cfg.num_draft_tokens,
+        tp_size=tp_size,
+        dtype=cfg.dtype,
+        device=device,
+    )
+
+
+@contextlib.contextmanager
+def open_server(
+    backend: str,
+    cfg: LocalConfig,
+    url: str = "",
+    tp_size: int = 1,
+    *,
+    device: str = "auto",
+    log_dir: str | os.PathLike = "reports/serve",
+    deadline_s: float = 900.0,
+) -> Iterator[Session]:
+    """Attach to `url` when given, else launch `cfg` on `backend` for the block, then stop it."""
+    if backend not in BACKENDS:
+        raise ServerError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if url:
+        attach(url)
+        yield Session(url.rstrip("/"), backend, launched=False)
+        return
+    t0 = time.perf_counter()
+    if backend == "sglang":
+        from workbench.serving import sglang
+
+        mode = "eagle3" if cfg.speculative else "plain"
+        log = Path(log_dir) / f"sglang-{mode}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        server = sglang.launch(sglang_spec(cfg, tp_size, device), log, deadline_s=deadline_s)
+        try:
+            yield Session(server.url, backend, True, list(server.argv), time.perf_counter() - t0)
+        finally:
+            server.stop()
+        return
+    if tp_size != 1:
+        raise ServerError("the local backend runs in one process: tp_size must be 1")
+    server = LocalServer(load_engine(cfg)).start()
+    try:
+        yield Session(server.url, backend, True, cfg.argv(port=server.port),
+                      time.perf_counter() - t0)  # fmt: skip
+    finally:
+        server.stop()
