@@ -2,7 +2,7 @@
 
 - In a notebook run by the report runner (`WORKBENCH_RUN_DIR` is set), the bar goes to the
   terminal that started `workbench run` / `make demo`, and the notebook gets one summary line
-  when the bar closes (`capture: 400/400 samples in 123.4s`). The terminal is the kernel's
+  when an outermost bar closes (`capture: 400/400 samples in 123.4s`). The terminal is the kernel's
   original stderr: ipykernel pipes file descriptors 1 and 2 into the notebook's outputs, and
   its `sys.stderr.fileno()` returns a copy of the descriptor from before that redirection
   (writing to `sys.__stderr__`, fd 2, would land in the report, one line per refresh).
@@ -32,10 +32,17 @@ def _terminal() -> TextIO:
 
 
 class _TerminalBar(_text_tqdm):
-    """A text bar on the terminal that leaves one summary line in the notebook when it closes."""
+    """A text bar on the terminal that leaves one summary line in the notebook when it closes
+    (outermost bars only)."""
 
     def close(self) -> None:
-        if not self.disable and self.leave and not getattr(self, "_summarized", False):
+        outermost = getattr(self, "pos", 0) == 0  # a nested bar's work is in its parent's line
+        if (
+            not self.disable
+            and self.leave
+            and outermost
+            and not getattr(self, "_summarized", False)
+        ):
             self._summarized = True
             done = f"{self.n:g}/{self.total:g}" if self.total else f"{self.n:g}"
             desc = f"{self.desc}: " if self.desc else ""
