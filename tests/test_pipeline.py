@@ -1,0 +1,24 @@
+"""`workbench pipeline`: every profile's stages pass the notebooks' own parameter checks
+(names and types) before anything runs, and an unknown profile is a one-line user error."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.errors import WorkbenchError
+from workbench.pipeline import PIPELINE_PROFILES, stages
+from workbench.report.params import validate_parameters
+
+
+@pytest.mark.parametrize("profile", sorted(PIPELINE_PROFILES))
+def test_stages_match_their_notebooks(profile):
+    got = stages(profile)
+    assert [s.name for s in got] == ["capture", "train", "inspect"]
+    for s in got:
+        assert s.notebook.is_file(), s.notebook
+        validate_parameters(s.notebook, s.parameters)  # raises on an unknown name or type
+
+
+def test_unknown_profile_names_the_known_ones():
+    with pytest.raises(WorkbenchError, match="unknown pipeline profile 'fast'.*full.*quick"):
+        stages("fast")
