@@ -181,3 +181,53 @@ def test_result_line_is_parseable(target, trained):
     assert set(fields) == {"verdict", "best", "delta_lo", "delta_hi"}
     assert fields["verdict"] in (CONFIGURED_WINS, SHIFTED_WINS, INCONCLUSIVE)
     json.dumps(a.table())  # the dataclass rows serialize for reports
+
+
+# ---------------------------------------------------------------- CLI: a draft directory
+
+
+def test_cli_audit_wiring_ends_with_result_line(tiny_target, tiny_target_dir, tmp_path, one_thread):
+    """`workbench audit --wiring`: capture found from the export's provenance, target from
+    --target; the held-out split + MT-bench continuations are scored; RESULT is the last line."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from workbench.capture import CaptureConfig, capture
+    from workbench.cli import app
+    from workbench.draft.export import export_sglang
+
+    convs = [
+        [{"role": "user", "content": f"Question {i}: " + "why? " * (i + 1)},
+         {"role": "assistant", "content": "Because " + "it is so. " * (3 * i + 2)}]
+        for i in range(24)
+    ]  # fmt: skip
+    cap = tmp_path / "cap"
+    ids = LayerIds((1, 3, 4))
+    capture(tiny_target, convs, cap, CaptureConfig(ids, dtype="float32", max_length=96),
+            progress=False)  # fmt: skip
+    model = tiny_target.model
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(model.config, ids, 512))
+    draft.set_vocab(torch.sort(torch.randperm(model.config.vocab_size)[:512]).values)
+    draft = init_from_target(draft, model)
+    exp = export_sglang(draft, tmp_path / "export", {"capture": str(cap)},
+                        target_max_position_embeddings=2048)  # fmt: skip
+    r = CliRunner().invoke(
+        app, ["audit", "--wiring", "--draft", str(exp), "--target", str(tiny_target_dir)]
+    )
+    lines = r.output.strip().splitlines()
+    assert r.exit_code in (0, 1), r.output
+    assert re.fullmatch(
+        r"RESULT verdict=(configured_wins|shifted_wins|inconclusive) best=\S+ "
+        r"delta_lo=-?\d+\.\d+ delta_hi=-?\d+\.\d+",
+        lines[-1],
+    ), lines[-1]
+    assert "teacher-forced wiring audit" in r.output and "held-out" in r.output
+    assert "continuation" in r.output  # greedy continuations of MT-bench prompts
+    # without a capture in the provenance or --capture: a one-line error naming the fix
+    bare = export_sglang(draft, tmp_path / "bare", {}, target_max_position_embeddings=2048)
+    r = CliRunner().invoke(
+        app, ["audit", "--wiring", "--draft", str(bare), "--target", str(tiny_target_dir)]
+    )
+    assert r.exit_code == 2 and "--capture" in r.output, r.output
