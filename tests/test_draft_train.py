@@ -85,7 +85,8 @@ def write_capture(
             "aux_hidden": torch.cat(aux).bfloat16(),
             "last_hidden": torch.cat(last).bfloat16(),
         }
-        data = save(t)
+        meta = {"layer_ids": IDS.to_dict(), "norm_stats": {}}  # as capture.py labels a shard
+        data = save(t, metadata={"workbench": json.dumps(meta, sort_keys=True)})
         name = f"shard-{len(shards):05d}.safetensors"
         (out / name).write_bytes(data)
         shards.append(
