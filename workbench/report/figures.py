@@ -18,7 +18,7 @@ RUN_DIR_ENV = "WORKBENCH_RUN_DIR"  # set by the runner for the kernel; `record()
 NOTEBOOK_ENV = "WORKBENCH_NOTEBOOK"
 FIGURES = "figures.json"
 # Shown as index columns when any run has them; every other recorded figure is listed too.
-KEY_FIGURES = ("tau", "speedup", "best_config", "step0_acc")
+KEY_FIGURES = ("tau", "best_speedup", "served_config", "step0_acc", "stopped_early")
 
 # Interactive fallback of `record()`: figures stay in this dict.
 RECORDED: dict[str, Any] = {}
@@ -47,7 +47,7 @@ def read_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def record(name: str, value: Any) -> Any:
-    """Record a key figure (tau, speedup, best_config, ...) machine-readably; returns `value`."""
+    """Record a key figure (tau, best_speedup, served_config, ...) machine-readably; returns `value`."""
     value = jsonable(value)
     RECORDED[name] = value
     run_dir = os.environ.get(RUN_DIR_ENV)
