@@ -125,9 +125,9 @@ def load_local(
     trace_dir: str | Path | None = None,
 ) -> LocalBackend:
     """A LocalBackend over MT-bench first turns with the chat template (`draft=None`: only the
-    baseline can run). `draft` is a training run dir or checkpoint dir."""
+    baseline can run). `draft`: a training run, checkpoint or export dir (draft.load)."""
     from workbench.data import eos_ids, load_mtbench, prompt_ids
-    from workbench.draft.train import load_draft
+    from workbench.draft.load import load_draft
     from workbench.llama import Llama
     from workbench.target import load_target
 
@@ -141,8 +141,26 @@ def load_local(
                 f"no draft at {p}: train one (`make demo` or `workbench train`) or pass its "
                 "run directory"
             )
-        d = load_draft(p, t.model).to(getattr(torch, dtype)).eval()
+        d = load_draft(p, t.model, dtype=getattr(torch, dtype)).draft.eval()
     mt = load_mtbench()[prompt_offset : prompt_offset + n_prompts]
     prompts = [prompt_ids(t.tokenizer, q.messages(1)) for q in mt]
     return LocalBackend(llm, d, prompts, max_new_tokens, eos_ids(t.tokenizer),
                         trace_dir=Path(trace_dir) if trace_dir else None)  # fmt: skip
+
+
+@torch.no_grad()
+def time_verify_forward(llm: Any, tokens: int, context: int = 64, reps: int = 5) -> float:
+    """Median ms of one target forward over `tokens` new tokens after `context` cached ones
+    (the verify step's compute at TP=1 on this machine, without the draft)."""
+    V = int(llm.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    cache = llm.new_cache(1, context + tokens + 1)
+    llm(torch.randint(0, V, (1, context), generator=g), cache, logits="last")
+    x = torch.randint(0, V, (1, tokens), generator=g)
+    llm(x, cache, logits="all", advance=False)  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        llm(x, cache, logits="all", advance=False)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -294,6 +294,7 @@ def step_sweep(
     calibration: int = 3,
     progress: bool = True,
     acceptance: Sequence[float] | None = None,
+    workload: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Measure the calibration configs first, then the rest (one resumable sweep folder);
     fit on the calibration, predict every config. Returns (rows, report or None when no
@@ -302,10 +303,50 @@ def step_sweep(
 
     calib = pick_calibration(configs, calibration)
     ordered = calib + [c for c in configs if c not in calib]
-    rows = run_sweep(ordered, backend, out_dir, progress=progress, desc="step sweep")
+    rows = run_sweep(ordered, backend, out_dir, progress=progress, desc="step sweep",
+                     workload=workload)  # fmt: skip
     ok_keys = {r["key"] for r in rows if r["status"] == "ok"}
     fit_keys = [config_key(c) for c in calib if config_key(c) in ok_keys]
     if not any(is_spec(r["config"]) and r["key"] in fit_keys for r in rows):
         return rows, None
     model = fit_cost_model(rows, fit_keys, acceptance)
     return rows, evaluate(rows, model)
+
+
+def local_step_sweep(
+    out_dir=None,
+    *,
+    target: str = "smollm2-135m",
+    draft: str | None = None,
+    num_steps: Sequence[int] = (1, 2, 3, 4, 5),
+    eagle_topk: Sequence[int] = (1,),
+    num_draft_tokens: Sequence[int | None] = (None,),
+    n_prompts: int = 4,
+    max_new_tokens: int = 48,
+    dtype: str = "float32",
+    calibration: int = 3,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """A step sweep of the embedded engine (batch 1) over MT-bench first turns, resumable in
+    `out_dir` (default `$WORKBENCH_HOME/sweeps/steps-<workload hash>`, so the same workload
+    resumes), with the cost model fitted on `calibration` configs. Returns `rows`, `report`
+    (None when no speculative config succeeded), `rejected` (configs SGLang refuses), and
+    `out_dir`."""
+    from pathlib import Path
+
+    from workbench.experiments.local import load_local
+    from workbench.experiments.sweep import step_grid
+
+    configs, rejected = step_grid(num_steps, eagle_topk, num_draft_tokens)
+    workload = {"target": target, "draft": str(draft), "n_prompts": n_prompts,
+                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": "mtbench turn 1"}  # fmt: skip
+    if out_dir is None:
+        from workbench.target import workbench_home
+
+        out_dir = workbench_home() / "sweeps" / f"steps-{config_key(workload)}"
+    out = Path(out_dir)
+    backend = load_local(target, draft, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+                         dtype=dtype, trace_dir=out / "traces")  # fmt: skip
+    rows, report = step_sweep(backend, configs, out, calibration=calibration, progress=progress,
+                              workload=workload)  # fmt: skip
+    return {"rows": rows, "report": report, "rejected": rejected, "out_dir": str(out)}

@@ -31,9 +31,10 @@ from typing import Any
 
 from workbench.engine.spec import SpecError, resolve_params
 from workbench.errors import WorkbenchError
-from workbench.fsutil import atomic_write_text, locked_dir
+from workbench.fsutil import atomic_write_text, claim_dir, locked_dir
 
 RESULTS = "results.jsonl"
+WORKLOAD = "sweep-args.json"
 LOG_TAIL_CHARS = 4000
 
 RunConfig = Callable[[dict[str, Any]], dict[str, Any]]
@@ -180,19 +181,30 @@ def run_sweep(
     retry_failed: bool = False,
     progress: bool = True,
     desc: str = "sweep",
+    workload: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Run every config not yet in `out_dir/results.jsonl`; return the latest row per config
     of this grid, in grid order.
 
     Row: `key, label, config, status (ok|failed), result (ok) | error + log_tail (failed),
     seconds, finished_at`. Invalid configs (SGLang's rules) are recorded as failed without a
-    run. The folder is locked while the sweep runs (a second sweep there gets InUseError)."""
+    run. The folder is locked while the sweep runs (a second sweep there gets InUseError).
+    `workload` (prompts, lengths, target, draft: what every config shares) is claimed in
+    `sweep-args.json`: resuming a folder with another workload is refused, since its rows
+    would not be comparable."""
     out = Path(out_dir)
     path = out / RESULTS
     keys = [config_key(c) for c in configs]
     if len(set(keys)) != len(keys):
         raise SweepError("the grid holds the same config twice; drop the duplicates")
     with locked_dir(out, "sweep folder"):
+        if workload is not None:
+            diff = claim_dir(out / WORKLOAD, workload)
+            if diff:
+                raise SweepError(
+                    f"{out} holds a sweep of another workload:\n{diff}\n"
+                    "use another folder, or the same arguments to resume"
+                )
         done = latest_rows(read_results(path))
         todo = [
             (c, k)
