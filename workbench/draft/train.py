@@ -283,11 +283,11 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
+        reader = reader if reader is not None else open_capture(cfg.capture)  # cheap: first
         if target is None:
             from workbench.target import load_target
 
             target = load_target(cfg.target, device=str(device))
-        reader = reader if reader is not None else open_capture(cfg.capture)
         cap_ids = check_capture(reader, target, cfg.layer_ids)
         out = Path(cfg.out)
         if not d.main:
