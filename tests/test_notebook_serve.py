@@ -50,3 +50,14 @@ def test_notebook_04_serves_loads_and_records(tiny_target, tiny_target_dir, tmp_
     for name in ("eagle3", "plain"):
         saved = json.loads((tmp_path / f"load-{name}.json").read_text())
         assert saved["status"] == "complete" and len(saved["requests"]) == 3
+
+
+def test_notebook_04_declares_the_pipeline_parameters():
+    from workbench.pipeline import stages
+    from workbench.report import notebook_parameters
+
+    declared = notebook_parameters(NB)
+    stage = next(s for s in stages("quick") if s.name == "serve")
+    assert set(stage.parameters) <= set(declared)
+    assert {"backend", "url", "plain_url", "target", "draft", "tp_size", "num_steps", "eagle_topk",
+            "num_draft_tokens", "prompt_set", "n_prompts", "concurrency"} <= set(declared)  # fmt: skip

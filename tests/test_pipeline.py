@@ -13,7 +13,7 @@ from workbench.report.params import validate_parameters
 @pytest.mark.parametrize("profile", sorted(PIPELINE_PROFILES))
 def test_stages_match_their_notebooks(profile):
     got = stages(profile)
-    assert [s.name for s in got] == ["capture", "train", "inspect"]
+    assert [s.name for s in got] == ["capture", "train", "inspect", "serve"]
     for s in got:
         assert s.notebook.is_file(), s.notebook
         validate_parameters(s.notebook, s.parameters)  # raises on an unknown name or type

@@ -274,3 +274,26 @@ def test_client_keeps_and_marks_partial_results_when_the_server_dies(tiny_target
     saved = json.loads(out.read_text())
     assert saved["status"] == "partial" and sum(r["ok"] for r in saved["requests"]) == s["n_ok"]
     assert _group_gone(server.pgid, within_s=10)
+
+
+def test_cli_load_and_serve_errors(tiny_target, tiny_target_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+
+    eng = LocalEngine(Llama(tiny_target.model, torch.float32), tiny_target.tokenizer)
+    out = tmp_path / "cli-load.json"
+    with LocalServer(eng).start() as srv:
+        r = CliRunner().invoke(app, ["load", "--url", srv.url, "--prompts", "humaneval", "--n",
+                                     "2", "--target", str(tiny_target_dir), "--max-new-tokens",
+                                     "4", "--out", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "2/2 requests ok" in r.output
+    saved = json.loads(out.read_text())
+    assert saved["status"] == "complete" and all(
+        q["completion_tokens"] <= 4 for q in saved["requests"]
+    )
+    r = CliRunner().invoke(app, ["serve", "--draft", "d", "--num-steps", "3"])
+    assert r.exit_code == 2 and "set all three" in r.output
+    r = CliRunner().invoke(app, ["serve", "--tp-size", "2"])
+    assert r.exit_code == 2 and "--tp-size 1" in r.output

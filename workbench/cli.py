@@ -263,7 +263,7 @@ def pipeline(
         True, help="open each HTML report in headless Chromium when available"
     ),
 ) -> None:
-    """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) as one report run."""
+    """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) -> 04 (serve) as one report run."""
     from workbench.pipeline import stages
     from workbench.report import check_html_in_browser, find_chromium, run_stages
 
@@ -553,6 +553,48 @@ def load(
     typer.echo(lc.format_summary(run))
     if run.status != "complete" or not run.summary["identities_ok"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def sweep(
+    draft: str = typer.Option("", help="draft run/export; empty: the demo's (make demo)"),
+    target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
+    backend: str = typer.Option("engine", help="engine (in process) | local | sglang (served)"),
+    steps: str = typer.Option("1,2,3,4,5", help="speculative_num_steps values"),
+    topk: str = typer.Option("1", help="speculative_eagle_topk values"),
+    ndt: str = typer.Option("0", help="speculative_num_draft_tokens values; 0 = steps + 1"),
+    batch: str = typer.Option("1", help="batch sizes (client concurrency when served)"),
+    n_prompts: int = typer.Option(4, help="MT-bench first turns, the same for every config"),
+    max_new_tokens: int = typer.Option(48),
+    dtype: str = typer.Option("float32"),
+    calibration: int = typer.Option(3, help="speculative configs the cost model is fitted on"),
+    tp_size: int = typer.Option(1, help="sglang backend only"),
+    out: str = typer.Option("", help="sweep folder (resumable); empty: under $WORKBENCH_HOME"),
+) -> None:
+    """Step-count sweep (resumable; the baseline always included) + the cost model's pick."""
+    from workbench.experiments.steps import format_table, result_line, run_step_sweep
+    from workbench.pipeline import default_draft_dir
+
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",") if x.strip()]
+
+    res = run_step_sweep(
+        out or None, backend=backend, target=target, draft=draft or str(default_draft_dir()),
+        num_steps=ints(steps), eagle_topk=ints(topk), num_draft_tokens=[n or None for n in ints(ndt)],
+        batch_size=ints(batch), n_prompts=n_prompts, max_new_tokens=max_new_tokens, dtype=dtype,
+        calibration=calibration, tp_size=tp_size,
+    )  # fmt: skip
+    typer.echo(f"sweep folder {res['out_dir']}")
+    for cfg, why in res["rejected"]:
+        s_k_n = f"{cfg['num_steps']}/{cfg['eagle_topk']}/{cfg['num_draft_tokens']}"
+        typer.echo(f"not run: {s_k_n}: {why}")
+    for r in res["rows"]:
+        if r["status"] != "ok":
+            typer.echo(f"FAILED {r['label']}: {r['error']}")
+    if res["report"] is None:
+        _fail(f"no cost model: {res['model_error']}")
+    typer.echo(format_table(res["report"]))
+    typer.echo(result_line(res["report"]))
 
 
 if __name__ == "__main__":

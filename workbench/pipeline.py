@@ -1,4 +1,4 @@
-"""The end-to-end pipeline on one target: notebooks 01 → 02 → 03 as one report run.
+"""The end-to-end pipeline on one target: notebooks 01 → 02 → 03 → 04 as one report run.
 
 `make demo` runs `workbench pipeline --profile quick` on the embedded default. Each stage's
 artifacts live under `$WORKBENCH_HOME/demo/<profile>/` so a rerun resumes (capture shards,
@@ -69,7 +69,7 @@ def default_draft_dir(profile: str = "quick", target: str = EMBEDDED_NAME) -> Pa
 
 
 def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
-    """The capture -> train -> inspect stages of `workbench pipeline --profile NAME`."""
+    """The capture -> train -> inspect -> serve stages of `workbench pipeline --profile NAME`."""
     if profile not in PIPELINE_PROFILES:
         raise WorkbenchError(
             f"unknown pipeline profile {profile!r}; expected one of {sorted(PIPELINE_PROFILES)}"
@@ -113,6 +113,17 @@ def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
                 "capture_dir": "${capture.capture_dir}",
                 "n_prompts": p.inspect_prompts,
                 "max_new_tokens": p.inspect_new_tokens,
+            },
+        ),
+        Stage(  # the exported draft served over HTTP by the local backend, vs plain serving
+            NOTEBOOKS / "04_live_serving.ipynb",
+            name="serve",
+            parameters={
+                "backend": "local",
+                "target": target,
+                "draft": "${train.export_dir}",
+                "n_prompts": 8,
+                "max_new_tokens": 64,
             },
         ),
     ]
