@@ -297,3 +297,25 @@ def test_cli_load_and_serve_errors(tiny_target, tiny_target_dir, tmp_path):
     assert r.exit_code == 2 and "set all three" in r.output
     r = CliRunner().invoke(app, ["serve", "--tp-size", "2"])
     assert r.exit_code == 2 and "--tp-size 1" in r.output
+
+
+def test_a_draft_that_does_not_fit_the_target_is_refused(
+    tiny_target, tiny_target_dir, model, tmp_path
+):
+    """Another target's fingerprint, or another hidden size / vocab: a clear error, no server."""
+    from workbench.draft.export import export_sglang
+    from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
+    from workbench.layers import LayerIds
+    from workbench.serving.local import load_engine
+
+    cfg = DraftConfig.from_target(tiny_target.model.config, LayerIds((1, 3, 5)), 512)
+    d = Eagle3Draft(cfg)
+    d.set_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:512]).values)
+    d = init_from_target(d, tiny_target.model).eval()
+    other = export_sglang(d, tmp_path / "other", {"target_fingerprint": "0123456789abcdef"})
+    with pytest.raises(WorkbenchError, match="fingerprint 0123456789abcdef"):
+        load_engine(LocalConfig(str(tiny_target_dir), str(other), num_steps=2, eagle_topk=1,
+                                num_draft_tokens=3))  # fmt: skip
+    wrong = export_sglang(tiny_draft(model, 128), tmp_path / "wrong")  # hidden 64, vocab 256
+    with pytest.raises(WorkbenchError, match="does not fit.*vocab mismatch"):
+        load_engine(LocalConfig(str(tiny_target_dir), str(wrong)))

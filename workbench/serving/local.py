@@ -142,7 +142,8 @@ def load_draft_model(path: str, target, dtype: str = "float32"):
         draft, prov, _ = load_any(path)
         ids = None
     else:
-        loaded = load_draft(path, target.model, dtype=getattr(torch, dtype))
+        # no target_model: the engine's check_draft fills the embeddings after the shape checks
+        loaded = load_draft(path, dtype=getattr(torch, dtype))
         draft, prov, ids = loaded.draft, loaded.provenance or {}, loaded.layer_ids
     prov = prov or {}
     fp = prov.get("target_fingerprint") or (prov.get("target") or {}).get("fingerprint")
