@@ -30,11 +30,14 @@ def ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=["engine", "local", "sglang"], default="engine",
+                    help="engine: in process; local/sglang: a server per config over HTTP")  # fmt: skip
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default=None, help="draft run/export (default: the demo's)")
     ap.add_argument("--steps", default="1,2,3,4,5")
     ap.add_argument("--topk", default="1,2")
     ap.add_argument("--ndt", default="0,6", help="draft tokens; 0 = steps + 1")
+    ap.add_argument("--batch", default="1", help="batch sizes (client concurrency when served)")
     ap.add_argument("--n-prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -47,13 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from workbench.errors import WorkbenchError
-    from workbench.experiments.steps import format_table, local_step_sweep, result_line
+    from workbench.experiments.steps import format_table, result_line, run_step_sweep
     from workbench.pipeline import default_draft_dir
 
     draft = args.draft or str(default_draft_dir("quick"))
     try:
-        out = local_step_sweep(
-            args.out, target=args.target, draft=draft, num_steps=ints(args.steps),
+        out = run_step_sweep(
+            args.out, backend=args.backend, target=args.target, draft=draft,
+            batch_size=ints(args.batch), num_steps=ints(args.steps),
             eagle_topk=ints(args.topk), num_draft_tokens=[n or None for n in ints(args.ndt)],
             n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, dtype=args.dtype,
             calibration=args.calibration,
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"FAILED {r['label']}: {r['error']}")
     rep = out["report"]
     if rep is None:
-        sys.exit("no speculative config succeeded: nothing to model")
+        sys.exit(f"no cost model: {out['model_error']}")
     m = rep["model"]
     print(f"\nmodel: acceptance {[round(a, 3) for a in m['acceptance']]} ({m['acceptance_source']})"
           f", gamma {m['gamma']} ({m['gamma_source']}), other {m['other_ms']:.2f} ms/cycle")  # fmt: skip

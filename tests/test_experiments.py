@@ -153,6 +153,14 @@ def test_sweep_resumes_after_sigkill_of_the_sweep_process(tmp_path):
     assert [r["status"] for r in rows] == ["ok"] * 6
 
 
+def test_resuming_a_folder_with_another_workload_is_refused(tmp_path):
+    from workbench.experiments.sweep import SweepError
+
+    run_sweep(_grid(1), _counting([]), tmp_path, progress=False, workload={"n_prompts": 4})
+    with pytest.raises(SweepError, match="n_prompts: was 4, now 8"):
+        run_sweep(_grid(2), _counting([]), tmp_path, progress=False, workload={"n_prompts": 8})
+
+
 def test_a_second_sweep_in_the_same_folder_is_refused(tmp_path):
     with locked_dir(tmp_path, "sweep folder"), pytest.raises(InUseError, match="in use by pid"):
         run_sweep(_grid(1), lambda c: {}, tmp_path, progress=False)
@@ -391,3 +399,56 @@ def test_nccl_matrix_checks_values_and_runs_as_a_sweep(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert rows[1]["result"]["facts"]["nccl_env"] == {"NCCL_ALGO": "Ring"}
     assert rows[0]["result"]["result_line"].startswith("RESULT backend=gloo world=2")
+
+
+# ---------------------------------------------------------------- the HTTP backend
+
+
+def test_served_backend_sweeps_a_real_local_server(tiny_target, tiny_target_dir, tmp_path):
+    from workbench.draft.export import export_sglang
+    from workbench.experiments.served import ServedBackend
+
+    cfg = DraftConfig.from_target(tiny_target.config, LayerIds((1, 3, 4)), 128)
+    torch.manual_seed(0)
+    d = Eagle3Draft(cfg)
+    d.set_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:128]).values)
+    export = export_sglang(init_from_target(d, tiny_target.model), tmp_path / "draft")
+    backend = ServedBackend("local", str(tiny_target_dir), str(export), tmp_path / "sweep",
+                            n_prompts=2, max_new_tokens=8, warmup_tokens=2)  # fmt: skip
+    cfgs = [
+        {"spec": False, "batch_size": 1},
+        {"spec": True, "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3, "batch_size": 2},
+        {"spec": True, "num_steps": 1, "eagle_topk": 1, "num_draft_tokens": 2, "batch_size": 1,
+         "env": {"NCCL_ALGO": "Ring"}},  # meaningless in one process: recorded as failed
+    ]  # fmt: skip
+    rows = run_sweep(cfgs, backend, tmp_path / "sweep", progress=False)
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed"], rows[-1]
+    assert "apply to SGLang launches" in rows[2]["error"]
+    plain, spec = rows[0]["result"], rows[1]["result"]
+    assert plain["tau"] == 1.0 and plain["tok_s"] > 0 and "draft_ms" not in plain
+    assert spec["tau"] >= 1.0 and spec["tau_sglang"] >= spec["tau"]
+    assert spec["draft_ms"] > 0 and spec["verify_ms"] > 0 and spec["extend_ms"] > 0
+    load = json.loads(Path(spec["load"]).read_text())
+    assert load["status"] == "complete" and load["config"]["concurrency"] == 2
+    assert load["summary"]["identities_ok"] is True
+
+
+def test_cli_sweep_runs_the_engine_and_prints_the_result(tiny_target, tiny_target_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from workbench.cli import app
+    from workbench.draft.export import export_sglang
+
+    cfg = DraftConfig.from_target(tiny_target.config, LayerIds((1, 3, 4)), 128)
+    torch.manual_seed(0)
+    d = Eagle3Draft(cfg)
+    d.set_vocab(torch.sort(torch.randperm(cfg.vocab_size)[:128]).values)
+    export = export_sglang(init_from_target(d, tiny_target.model), tmp_path / "draft")
+    args = ["sweep", "--target", str(tiny_target_dir), "--draft", str(export), "--steps", "1,2",
+            "--n-prompts", "1", "--max-new-tokens", "6", "--calibration", "2",
+            "--out", str(tmp_path / "s")]  # fmt: skip
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    last = r.output.strip().splitlines()[-1]
+    assert last.startswith("RESULT configs=3 best=") and "rank_corr=" in last
+    assert len(read_results(tmp_path / "s" / RESULTS)) == 3

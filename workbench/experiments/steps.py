@@ -151,6 +151,13 @@ def fit_cost_model(
         raise ModelError(
             "the cost model needs at least one measured speculative config among the fit rows"
         )
+    untimed = [label(r["config"]) for r in spec
+               if any(r["result"].get(k) is None for k in ("draft_ms", "verify_ms", "extend_ms"))]  # fmt: skip
+    if untimed:
+        raise ModelError(
+            f"no per-cycle draft/verify/extend times for {untimed}: the cost model needs a trace "
+            "(the local engine, in process or served, writes one)"
+        )
     base = {int(r["config"].get("batch_size", 1)): r["result"]["cycle_ms"]
             for r in fit if not is_spec(r["config"])}  # fmt: skip
     if acceptance is None:
@@ -313,40 +320,70 @@ def step_sweep(
     return rows, evaluate(rows, model)
 
 
-def local_step_sweep(
+def run_step_sweep(
     out_dir=None,
     *,
+    backend: str = "engine",
     target: str = "smollm2-135m",
     draft: str | None = None,
     num_steps: Sequence[int] = (1, 2, 3, 4, 5),
     eagle_topk: Sequence[int] = (1,),
     num_draft_tokens: Sequence[int | None] = (None,),
+    batch_size: Sequence[int] = (1,),
     n_prompts: int = 4,
     max_new_tokens: int = 48,
     dtype: str = "float32",
     calibration: int = 3,
+    tp_size: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """A step sweep of the embedded engine (batch 1) over MT-bench first turns, resumable in
-    `out_dir` (default `$WORKBENCH_HOME/sweeps/steps-<workload hash>`, so the same workload
-    resumes), with the cost model fitted on `calibration` configs. Returns `rows`, `report`
-    (None when no speculative config succeeded), `rejected` (configs SGLang refuses), and
+    """A step sweep over MT-bench first turns, resumable in `out_dir` (default
+    `$WORKBENCH_HOME/sweeps/steps-<workload hash>`, so the same workload resumes), with the
+    cost model fitted on `calibration` configs.
+
+    backend: `engine` (the embedded engine in this process, batch 1), `local` (the local
+    server over HTTP, batch = concurrency) or `sglang` (a launch per config; no trace, so no
+    cost model unless SGLang's plugin writes one). Returns `rows`, `report` (None when the
+    model could not be fitted, `model_error` says why), `rejected` (configs SGLang refuses),
     `out_dir`."""
     from pathlib import Path
 
-    from workbench.experiments.local import load_local
     from workbench.experiments.sweep import step_grid
 
-    configs, rejected = step_grid(num_steps, eagle_topk, num_draft_tokens)
-    workload = {"target": target, "draft": str(draft), "n_prompts": n_prompts,
-                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": "mtbench turn 1"}  # fmt: skip
+    if backend not in ("engine", "local", "sglang"):
+        raise ModelError(f"backend must be engine, local or sglang, got {backend!r}")
+    configs, rejected = step_grid(num_steps, eagle_topk, num_draft_tokens, batch_size)
+    workload = {"backend": backend, "target": target, "draft": str(draft), "n_prompts": n_prompts,
+                "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": "mtbench turn 1",
+                "tp_size": tp_size}  # fmt: skip
     if out_dir is None:
         from workbench.target import workbench_home
 
         out_dir = workbench_home() / "sweeps" / f"steps-{config_key(workload)}"
     out = Path(out_dir)
-    backend = load_local(target, draft, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+    if backend == "engine":
+        from workbench.experiments.local import load_local
+
+        run = load_local(target, draft, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
                          dtype=dtype, trace_dir=out / "traces")  # fmt: skip
-    rows, report = step_sweep(backend, configs, out, calibration=calibration, progress=progress,
-                              workload=workload)  # fmt: skip
-    return {"rows": rows, "report": report, "rejected": rejected, "out_dir": str(out)}
+    else:
+        from workbench.experiments.served import ServedBackend
+
+        if draft is None:
+            raise ModelError("a served step sweep needs a draft")
+        run = ServedBackend(backend, target, str(draft), out, n_prompts=n_prompts,
+                            max_new_tokens=max_new_tokens, dtype=dtype, tp_size=tp_size)  # fmt: skip
+    model_error = None
+    try:
+        rows, report = step_sweep(run, configs, out, calibration=calibration, progress=progress,
+                                  workload=workload)  # fmt: skip
+        if report is None:
+            model_error = "no speculative calibration config succeeded"
+    except ModelError as e:
+        from workbench.experiments.sweep import RESULTS, latest_rows, read_results
+
+        done = latest_rows(read_results(out / RESULTS))
+        rows = [done[k] for k in map(config_key, configs) if k in done]
+        report, model_error = None, str(e)
+    return {"rows": rows, "report": report, "model_error": model_error, "rejected": rejected,
+            "out_dir": str(out)}  # fmt: skip

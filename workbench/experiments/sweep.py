@@ -5,8 +5,8 @@ A config is a flat dict (`num_steps`, `eagle_topk`, `num_draft_tokens`, `batch_s
 Each config is keyed by a stable hash of its canonical JSON, so a rerun of the same sweep
 skips every key already in `results.jsonl` (status `ok` or `failed`; `retry_failed=True`
 runs the failed ones again). The runner is generic: a backend is a `run_config(config) ->
-dict` callable (`workbench.experiments.local.LocalBackend`, a torchrun all-reduce command,
-a server launch). A failure (exception, crash, timeout) is recorded with its error and log
+dict` callable (`local.LocalBackend` in process, `served.ServedBackend` over HTTP, a
+torchrun all-reduce command from `nccl.allreduce_backend`). A failure (exception, crash, timeout) is recorded with its error and log
 tail and the sweep goes on; Ctrl-C (KeyboardInterrupt) stops it, and what finished stays.
 
 Rows are written whole: the file is rewritten to a temp name, fsynced and renamed
@@ -311,14 +311,3 @@ def _read_tail(path: Path | None) -> str:
     if path is None or not path.exists():
         return ""
     return _tail(path.read_text(errors="replace"))
-
-
-def http_backend(*args: Any, **kwargs: Any) -> RunConfig:
-    """Launch or reconfigure a server per config and load it through the client.
-
-    Not built: it needs `workbench.serving` (launcher, local server, client), which had not
-    landed when this module was written. Use `LocalBackend` (in-process engine) meanwhile."""
-    raise NotImplementedError(
-        "the HTTP sweep backend is not built yet: it waits for workbench.serving "
-        "(process/sglang/local/client); use the local backend (--backend local)"
-    )
