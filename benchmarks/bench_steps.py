@@ -50,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from workbench.errors import WorkbenchError
-    from workbench.experiments.steps import format_table, result_line, run_step_sweep
+    from workbench.experiments.steps import (
+        adaptive_line,
+        format_table,
+        result_line,
+        run_step_sweep,
+    )
     from workbench.pipeline import default_draft_dir
 
     draft = args.draft or str(default_draft_dir("quick"))
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: [round(v, 4) for v in m[k]] for k in
                       ("draft_coef", "verify_coef", "extend_coef")}))  # fmt: skip
     print("\n" + format_table(rep) + "\n(* = calibration config the model was fitted on)")
+    print(adaptive_line(rep))
     print(result_line(rep))
     return 0
 

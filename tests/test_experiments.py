@@ -252,6 +252,21 @@ def test_cost_model_recovers_known_times_from_a_few_configs():
     assert rep["best"] == rep["predicted"] != "plain"
     assert sum(not t["fit"] for t in rep["table"]) == len(cfgs) - 5
     assert result_line(rep).startswith(f"RESULT configs={len(cfgs)} best={rep['best']} ")
+    ad = rep["adaptive"]  # tiers 1 and 3 were measured; 7 is past the grid: predicted
+    assert ad["tiers"][3]["source"] == "measured" and ad["tiers"][7]["source"].startswith(
+        "predicted"
+    )
+    assert ad["winner"] in ("cost model", "adaptive rule")
+
+
+def test_adaptive_rule_steady_state():
+    from workbench.experiments.steps import adaptive_steady_state
+
+    # from tier 7: round(2.6) + 1 = 4 -> tier 7 again
+    assert adaptive_steady_state({1: 1.4, 3: 2.2, 7: 2.6}) == (7, [7, 7])
+    # a weak draft: 7 -> round(1.3) + 1 = 2 -> tier 3 -> round(1.2) + 1 = 2 -> tier 3
+    assert adaptive_steady_state({1: 1.1, 3: 1.2, 7: 1.3}) == (3, [7, 3, 3])
+    assert adaptive_steady_state({1: 1.0, 2: 1.0, 4: 1.0}, tiers=(1, 2, 4)) == (2, [4, 2, 2])
 
 
 def test_cost_model_says_what_is_missing():

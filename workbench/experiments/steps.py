@@ -256,7 +256,7 @@ def evaluate(rows: Sequence[dict[str, Any]], model: CostModel) -> dict[str, Any]
     best = max(table, key=lambda t: t["measured_tok_s"])
     pick = max(table, key=lambda t: t["predicted_tok_s"])
     held = [t for t in table if not t["fit"]]
-    return {
+    out = {
         "table": table,
         "best": best["config"],
         "predicted": pick["config"],
@@ -270,6 +270,68 @@ def evaluate(rows: Sequence[dict[str, Any]], model: CostModel) -> dict[str, Any]
         else None,
         "model": model.to_dict(),
     }
+    out["adaptive"] = compare_adaptive(out, model)
+    return out
+
+
+ADAPTIVE_TIERS = (1, 3, 7)
+
+
+def adaptive_steady_state(
+    tau_at: dict[int, float], tiers: Sequence[int] = ADAPTIVE_TIERS, max_iter: int = 20
+) -> tuple[int, list[int]]:
+    """Where SGLang's `--speculative-adaptive` rule settles, emulated from its description
+    (PRs #21599, #24055; not SGLang's code): the next steps are round(EMA accept length) + 1,
+    snapped to the smallest pre-captured tier >= that (the largest tier if none). With a
+    fixed accept length per tier (the EMA's limit) and starting from the largest tier, it
+    returns the tier it settles on (or the last of an oscillation) and the path."""
+    tiers = sorted(tiers)
+
+    def snap(x: int) -> int:
+        return next((t for t in tiers if t >= x), tiers[-1])
+
+    path = [tiers[-1]]
+    for _ in range(max_iter):
+        nxt = snap(round(tau_at[path[-1]]) + 1)
+        if nxt in path:
+            path.append(nxt)
+            break
+        path.append(nxt)
+    return path[-1], path
+
+
+def compare_adaptive(
+    report: dict[str, Any], model: CostModel, tiers: Sequence[int] = ADAPTIVE_TIERS
+) -> dict[str, Any]:
+    """The adaptive rule's steady-state tier (chain, batch 1) vs the cost model's pick.
+
+    Each tier's tau and tok/s are measured when the sweep ran that chain, else the model's
+    (labelled `source`)."""
+    table = {t["config"]: t for t in report["table"]}
+    tiers_out = {}
+    for s in tiers:
+        cfg = {"spec": True, "num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1}
+        row = table.get(short(cfg))
+        if row is not None:
+            tiers_out[s] = {"tau": row["measured_tau"], "tok_s": row["measured_tok_s"],
+                            "source": "measured"}  # fmt: skip
+        else:
+            src = "predicted" + (" (a_i past the measured depth = the last one)"
+                                 if s > len(model.acceptance) else "")  # fmt: skip
+            tiers_out[s] = {"tau": model.tau(cfg), "tok_s": model.tok_s(cfg), "source": src}
+    tier, path = adaptive_steady_state({s: v["tau"] for s, v in tiers_out.items()}, tiers)
+    pick = table[report["predicted"]]
+    a = tiers_out[tier]
+    return {
+        "tiers": tiers_out,
+        "adaptive_config": f"{tier}/1/{tier + 1}",
+        "adaptive_path": path,
+        "adaptive_tok_s": a["tok_s"],
+        "adaptive_source": a["source"],
+        "model_config": report["predicted"],
+        "model_tok_s": pick["measured_tok_s"],
+        "winner": "cost model" if pick["measured_tok_s"] > a["tok_s"] else "adaptive rule",
+    }
 
 
 def result_line(report: dict[str, Any]) -> str:
@@ -277,6 +339,16 @@ def result_line(report: dict[str, Any]) -> str:
         f"RESULT configs={len(report['table'])} best={report['best']} "
         f"predicted={report['predicted']} best_gap={report['best_gap']:.3f} "
         f"rank_corr={report['rank_corr']:.3f} mean_abs_error={report['mean_abs_error']:.3f}"
+    )
+
+
+def adaptive_line(report: dict[str, Any]) -> str:
+    a = report["adaptive"]
+    return (
+        f"adaptive rule (emulated, tiers {list(a['tiers'])}): settles on {a['adaptive_config']} "
+        f"(path {a['adaptive_path']}), {a['adaptive_tok_s']:.2f} tok/s ({a['adaptive_source']}); "
+        f"cost model's pick {a['model_config']}: {a['model_tok_s']:.2f} tok/s measured; "
+        f"winner: {a['winner']}"
     )
 
 
