@@ -446,6 +446,8 @@ def test_served_backend_sweeps_a_real_local_server(tiny_target, tiny_target_dir,
     load = json.loads(Path(spec["load"]).read_text())
     assert load["status"] == "complete" and load["config"]["concurrency"] == 2
     assert load["summary"]["identities_ok"] is True
+    # one trace line per verify of the measured requests (the warm-up's cycles left out)
+    assert spec["trace_cycles"] == load["summary"]["spec_verify_ct"]
 
 
 def test_cli_sweep_runs_the_engine_and_prints_the_result(tiny_target, tiny_target_dir, tmp_path):

@@ -5,8 +5,8 @@ Every config gets a fresh server (SGLang cannot change speculation settings live
 same prompts (chat template applied here, sent as token ids), `batch_size` as the client's
 concurrency, and streaming so TPOT is measured. `tok_s` is decode-only, like the local
 backend's: concurrency / mean TPOT; the client's end-to-end `output_tok_s` is kept too.
-The local server writes the per-cycle trace (draft / verify / extend ms), so the cost
-model can be fitted on it; SGLang rows carry what `meta_info` and `/metrics` give.
+The per-cycle trace (draft / verify / extend ms; the local server's, or SGLang's through the
+workbench_trace plugin) feeds the cost model; the warm-up's cycles are left out.
 Communication settings (`env`, `flags` from `workbench.experiments.nccl`) apply to SGLang
 launches.
 """
@@ -47,11 +47,16 @@ class ServedBackend:
         spec = bool(config.get("spec", True)) and "num_steps" in config
         key = config_key(config)
         out = Path(self.out_dir)
-        trace = out / "traces" / f"{key}.jsonl"
-        if trace.exists():
+        trace = out / "traces" / key  # local: a file; sglang: the plugin's folder
+        if trace.is_file():
             trace.unlink()
+        model_path = self.target
+        if self.backend == "sglang":
+            from workbench.target import resolve_target_dir
+
+            model_path = str(resolve_target_dir(self.target)[1])  # SGLang loads HF dirs
         cfg = LocalConfig(
-            model_path=self.target, draft=self.draft if spec else "",
+            model_path=model_path, draft=self.draft if spec else "",
             num_steps=config.get("num_steps") if spec else None,
             eagle_topk=config.get("eagle_topk") if spec else None,
             num_draft_tokens=config.get("num_draft_tokens") if spec else None,
@@ -59,18 +64,25 @@ class ServedBackend:
         )  # fmt: skip
         tok = lc.load_tokenizer(self.target)
         reqs = lc.build_requests(self.prompts, self.n_prompts, tok)
-        with self._server(cfg, config, out / "logs") as url:
+        with self._server(cfg, config, out / "logs", trace if spec else None) as url:
             lc.run_load(lc.LoadConfig(url, max_new_tokens=self.warmup_tokens), reqs[:1])
-            if trace.exists():
-                trace.unlink()  # the warm-up's cycles are not measured
+            skip = len(self._records(trace)) if spec else 0  # the warm-up's cycles
             load = lc.LoadConfig(url, max_new_tokens=self.max_new_tokens,
                                  concurrency=int(config.get("batch_size", 1)))  # fmt: skip
             run = lc.run_load(load, reqs, out / "loads" / f"{key}.json")
         if run.status != "complete":
             raise RunFailed(f"load {run.status}: {run.reason}", lc.format_summary(run))
-        return self._result(run, config, trace if trace.exists() else None)
+        recs = self._records(trace)[skip:] if spec else []
+        return self._result(run, config, recs, trace)
 
-    def _server(self, cfg, config: dict[str, Any], log_dir: Path):
+    def _records(self, trace: Path) -> list:
+        if self.backend == "local":
+            return read_trace(trace) if trace.is_file() else []
+        from workbench.serving import plugin
+
+        return plugin.read_trace_dir(trace) if plugin.trace_files(trace) else []
+
+    def _server(self, cfg, config: dict[str, Any], log_dir: Path, trace: Path | None):
         import contextlib
 
         from workbench.serving.session import open_server, sglang_spec
@@ -99,7 +111,8 @@ class ServedBackend:
         @contextlib.contextmanager
         def launched():
             ss = sglang_spec(cfg, self.tp_size, self.device)
-            ss = replace(ss, env={**ss.env, **env}, extra_args=[*ss.extra_args, *flags])
+            ss = replace(ss, env={**ss.env, **env}, extra_args=[*ss.extra_args, *flags],
+                         trace_dir=str(trace) if trace is not None else None)  # fmt: skip
             log = log_dir / f"sglang-{config_key(config)}.log"
             server = sglang.launch(ss, log, deadline_s=self.deadline_s)
             try:
@@ -109,7 +122,7 @@ class ServedBackend:
 
         return launched()
 
-    def _result(self, run, config: dict[str, Any], trace: Path | None) -> dict[str, Any]:
+    def _result(self, run, config: dict[str, Any], recs: list, trace: Path) -> dict[str, Any]:
         s = run.summary
         b = int(config.get("batch_size", 1))
         ok = [r for r in run.requests if r.ok]
@@ -134,14 +147,13 @@ class ServedBackend:
             n = int(config["num_steps"])
             acc = list(s.get("acceptance_from_histogram") or [])
             out["acceptance"] = acc[:n]
-        if trace is not None:
-            recs = read_trace(trace)
-            if recs:
-                out.update(
-                    draft_ms=statistics.fmean(r.draft_ms for r in recs),
-                    verify_ms=statistics.fmean(r.verify_ms for r in recs),
-                    extend_ms=statistics.fmean(r.extend_ms for r in recs),
-                    traced_ms=statistics.fmean(r.total_ms for r in recs),
-                    trace=str(trace),
-                )
+        if recs:
+            out.update(
+                draft_ms=statistics.fmean(r.draft_ms for r in recs),
+                verify_ms=statistics.fmean(r.verify_ms for r in recs),
+                extend_ms=statistics.fmean(r.extend_ms for r in recs),
+                traced_ms=statistics.fmean(r.total_ms for r in recs),
+                trace=str(trace),
+                trace_cycles=len(recs),
+            )
         return out
