@@ -39,15 +39,23 @@ $(SGLANG_STAMP): $(SGLANG_REQS)
 	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23 xgrammar==0.2.7
 	touch $@
 
+# The trace plugin (support/sglang_plugin, entry point `workbench_trace` in group
+# sglang.srt.plugins), installed editable into the server environment; inert unless the
+# launcher sets WORKBENCH_TRACE_DIR (ServeSpec.trace_dir).
+SGLANG_PLUGIN_STAMP := $(SGLANG_VENV)/.plugin-installed
+$(SGLANG_PLUGIN_STAMP): $(SGLANG_STAMP) support/sglang_plugin/pyproject.toml
+	$(SGLANG_VENV)/bin/pip install -q --no-deps --no-build-isolation -e support/sglang_plugin
+	touch $@
+
 ## The SGLang server environment (.venv-sglang, ~2 min, ~6 GB), made on first use.
-sglang-env: $(SGLANG_STAMP)
+sglang-env: $(SGLANG_STAMP) $(SGLANG_PLUGIN_STAMP)
 
 ## The main job: the whole pipeline on the embedded default (quick profile, ~21 min on 2 cores).
 demo: $(STAMP)
 	$(BIN)/workbench pipeline --profile $(PROFILE)
 
 ## The test suite (tiny models + a few real-model smoke tests).
-test: $(STAMP) browser $(SGLANG_STAMP)
+test: $(STAMP) browser $(SGLANG_STAMP) $(SGLANG_PLUGIN_STAMP)
 	$(BIN)/python -m pytest -q
 
 ## Tiny models only: tests/conftest.py refuses a test that uses the real target unless marked slow.
