@@ -231,3 +231,15 @@ def test_cli_audit_wiring_ends_with_result_line(tiny_target, tiny_target_dir, tm
         app, ["audit", "--wiring", "--draft", str(bare), "--target", str(tiny_target_dir)]
     )
     assert r.exit_code == 2 and "--capture" in r.output, r.output
+
+
+def test_an_untrained_draft_is_inconclusive(target):
+    """Random weights: wirings still change its (garbage) log-probs, but no verdict is named."""
+    model, llm = target
+    torch.manual_seed(5)
+    d = Eagle3Draft(DraftConfig.from_target(model.config, IDS, V))
+    d.embed_tokens.copy_(model.get_input_embeddings().weight.detach())
+    a = teacher_forced_audit(llm, d.eval(), _random_sequences(32, seed=4))
+    assert max(r.accept for r in a.rows) < 0.05
+    assert a.verdict == INCONCLUSIVE and "too weak" in a.reason
+    assert a.result_line().startswith("RESULT verdict=inconclusive")

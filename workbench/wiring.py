@@ -12,7 +12,9 @@ sequences (positions within one sequence are not independent).
 
 Verdicts: `configured_wins` (every alternative's CI lies below 0), `shifted_wins` (some
 alternative's CI lies above 0: the draft was trained on other layers than configured),
-`inconclusive` (otherwise, or fewer than `min_sequences` sequences). The decision uses the
+`inconclusive` (otherwise, fewer than `min_sequences` sequences, or a draft whose step-0
+acceptance is below `min_accept` under every wiring: an untrained draft's log-probs differ
+between wirings too, by accident). The decision uses the
 log-probability (continuous, far more sensitive than acceptance); acceptance is reported too.
 Sequences: the capture's held-out split (what the draft never trained on) and the target's
 greedy continuations of eval prompts.
@@ -112,7 +114,7 @@ def score_sequence(
     need = sorted({i for w in wirings.values() for i in w.canonical})
     ids = torch.tensor([seq.ids], device=llm.device)
     res = llm(ids, None, hidden_layers=need, logits="none")
-    targ = target_argmax(llm, res.final_hidden[0])[t_idx + 1]  # greedy token after t+1
+    targ = target_argmax(llm, res.final_hidden[0, t_idx + 1])  # greedy token after t+1
     V = int(draft.t2d.numel())
     lut = torch.full((V,), -1, dtype=torch.long)
     lut[draft.draft_ids.cpu()] = torch.arange(draft.draft_ids.numel())
@@ -123,8 +125,8 @@ def score_sequence(
     logp, acc = [], []
     for w in wirings.values():
         aux = torch.cat([res.hidden[i][:, : T - 1] for i in w.canonical], dim=-1).to(dt)
-        logits, _ = draft(ids[:, 1:], aux, pos)
-        lp = torch.log_softmax(logits[0, t_idx].float(), -1).cpu()
+        _, h = draft(ids[:, 1:], aux, pos, logits=False)  # the head only where scored
+        lp = torch.log_softmax(draft.lm_head(draft.norm(h[0, t_idx])).float(), -1).cpu()
         got = lp.gather(1, didx.clamp(min=0)[:, None])[:, 0]
         logp.append(torch.where(inv, got, torch.full_like(got, math.nan)).numpy())
         acc.append((draft.draft_ids.cpu()[lp.argmax(-1)] == targ.cpu()).numpy())
@@ -213,14 +215,27 @@ class TeacherForcedAudit:
                 f"delta_hi={hi:.4f}")  # fmt: skip
 
 
-def decide(rows: list[WiringScore], enough: bool) -> tuple[str, str, str]:
-    """(verdict, best, reason) from the paired log-prob CIs."""
+def decide(rows: list[WiringScore], enough: bool, min_accept: float = 0.05) -> tuple[str, str, str]:
+    """(verdict, best, reason) from the paired log-prob CIs.
+
+    A draft that predicts nothing under any wiring (step-0 acceptance below `min_accept`,
+    e.g. untrained) gets no verdict: its log-probs still differ between wirings, but only by
+    how garbage features happen to land, not by what it learned."""
     alts = rows[1:]
     top = max(rows, key=lambda r: r.logp).name
     if not alts:
         return INCONCLUSIVE, top, "no alternative wiring fits this target"
     if not enough:
         return INCONCLUSIVE, top, "too few sequences for a bootstrap CI"
+    if max(r.accept for r in rows) < min_accept:
+        return (
+            INCONCLUSIVE,
+            top,
+            (
+                f"the draft is too weak to tell: step-0 acceptance below {min_accept} under every "
+                "wiring (untrained, or trained for another target)"
+            ),
+        )
     winners = [r for r in alts if r.delta_lo > 0]
     if winners:
         w = max(winners, key=lambda r: r.delta)
@@ -249,6 +264,7 @@ def teacher_forced_audit(
     n_boot: int = 2000,
     ci: float = 0.95,
     min_sequences: int = 8,
+    min_accept: float = 0.05,
     seed: int = 0,
 ) -> TeacherForcedAudit:
     """Score every wiring on `sequences` and decide (see the module doc).
@@ -277,7 +293,7 @@ def teacher_forced_audit(
                     float(hi[k]), float(ad[k]), float(alo[k]), float(ahi[k]))
         for k, (name, ids) in enumerate(ws.items())
     ]  # fmt: skip
-    verdict, best, reason = decide(rows, S >= min_sequences)
+    verdict, best, reason = decide(rows, S >= min_sequences, min_accept)
     sources: dict[str, int] = {}
     for s, _ in scores:
         kind = s.source.split(" ")[0] or "given"
@@ -323,7 +339,7 @@ def heldout_sequences(
     capture: Any,
     training: dict | None = None,
     *,
-    max_tokens: int = 8000,
+    max_tokens: int = 6000,
     max_len: int = 1024,
 ) -> list[TFSequence]:
     """The capture's held-out split as the training run drew it (its seed, val fraction and
@@ -381,8 +397,8 @@ def audit_draft_dir(
     target: str | None = None,
     *,
     eval_prompts: int = 8,
-    max_new_tokens: int = 64,
-    max_tokens: int = 8000,
+    max_new_tokens: int = 48,
+    max_tokens: int = 6000,
     threads: int | None = None,
     **kw: Any,
 ) -> TeacherForcedAudit:
