@@ -114,22 +114,14 @@ def run_benchmark(sizes: Sequence[int], iters: int = 50, warmup: int = 5) -> lis
 
 
 def comm_facts() -> dict:
-    """Backend-side facts for the run manifest: torch, CUDA, NCCL version, driver, topology.
+    """Facts for the run manifest: `provenance.accelerator_facts` (GPUs, CUDA, NCCL version,
+    driver) plus the topology (`nvidia-smi topo -m`) and the NCCL_* environment."""
+    from workbench.provenance import accelerator_facts
 
-    (A local helper: `workbench/provenance.py` did not exist when this was written.)"""
-    out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda,
-                 "cuda_available": torch.cuda.is_available()}  # fmt: skip
-    if torch.cuda.is_available():
-        out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        v = torch.cuda.nccl.version()
-        out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    if shutil.which("nvidia-smi"):
-        for key, argv in (
-            ("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-            ("topology", ["nvidia-smi", "topo", "-m"]),
-        ):
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-            out[key] = r.stdout.strip() if r.returncode == 0 else f"failed: {r.stderr.strip()}"
+    out: dict = {"torch": torch.__version__, **accelerator_facts()}
+    if smi := shutil.which("nvidia-smi"):
+        r = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=30)
+        out["topology"] = r.stdout.strip() if r.returncode == 0 else f"failed: {r.stderr.strip()}"
     out["nccl_env"] = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     return out
 
