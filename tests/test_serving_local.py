@@ -319,3 +319,22 @@ def test_a_draft_that_does_not_fit_the_target_is_refused(
     wrong = export_sglang(tiny_draft(model, 128), tmp_path / "wrong")  # hidden 64, vocab 256
     with pytest.raises(WorkbenchError, match="does not fit.*vocab mismatch"):
         load_engine(LocalConfig(str(tiny_target_dir), str(wrong)))
+
+
+def test_summary_pools_sglang_trimmed_histograms():
+    """SGLang trims a request's histogram after its last nonzero bin ([15] when nothing was
+    accepted); pooling pads them, so per-position acceptance covers every draft step."""
+    metas = [
+        {"completion_tokens": 16, "spec_verify_ct": 15, "spec_accept_length": 16 / 15,
+         "spec_num_correct_drafts": 0, "spec_correct_drafts_histogram": [15]},
+        {"completion_tokens": 13, "spec_verify_ct": 6, "spec_accept_length": 13 / 6,
+         "spec_num_correct_drafts": 6, "spec_correct_drafts_histogram": [2, 3, 0, 1]},
+    ]  # fmt: skip
+    res = [lc.RequestResult(f"r{i}", ok=True, sent=True, completion_tokens=m["completion_tokens"],
+                            meta=m) for i, m in enumerate(metas)]  # fmt: skip
+    s = lc.summarize(res, 2.0, num_steps=3)
+    assert s["spec_correct_drafts_histogram"] == [17, 3, 0, 1]
+    assert s["acceptance_from_histogram"] == pytest.approx([4 / 21, 1 / 4, 1.0])
+    assert s["pooled_tau_sglang"] == pytest.approx(29 / 21)
+    assert s["pooled_tau"] == pytest.approx((29 - 2) / 21)  # decode tokens: the prefill's left out
+    assert s["output_tok_s"] == pytest.approx(29 / 2.0) and s["identities_ok"]

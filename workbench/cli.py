@@ -487,10 +487,10 @@ def serve(
         from workbench.serving import sglang
         from workbench.serving.session import sglang_spec
 
-        ss = replace(sglang_spec(cfg, tp_size), host=host, port=port or None)
+        ss = replace(sglang_spec(cfg, tp_size), host=host, port=port or process.free_port(host))
         log_path = Path(log or time.strftime("reports/serve/sglang-%Y%m%d-%H%M%S.log"))
+        typer.echo("argv: " + shlex.join(sglang.command(ss)))
         server = sglang.launch(ss, log_path, deadline_s=deadline)
-        typer.echo("argv: " + shlex.join(server.argv))
         _wait_served(server, log_path)
         return
     if tp_size != 1:

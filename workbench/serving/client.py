@@ -294,8 +294,12 @@ def _cycles_from_histogram(hist: Sequence[int]) -> list[int]:
     return [i + 1 for i, h in enumerate(hist) for _ in range(int(h))]
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
-    """Throughput, accept lengths (both conventions, labelled), latency percentiles, flags."""
+def summarize(
+    results: Sequence[RequestResult], duration_s: float, num_steps: int | None = None
+) -> dict[str, Any]:
+    """Throughput, accept lengths (both conventions, labelled), latency percentiles, flags.
+
+    `num_steps` (the server's) pads the pooled histogram to num_steps + 1 entries."""
     ok = [r for r in results if r.ok]
     comp = [r.completion_tokens for r in ok]
     s: dict[str, Any] = {
@@ -322,8 +326,9 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         vct = [int(r.meta["spec_verify_ct"]) for r in spec]
         cycles = [_cycles_from_histogram(r.meta.get("spec_correct_drafts_histogram") or [])
                   for r in spec]  # fmt: skip
-        hist = [sum(col) for col in zip(*[r.meta.get("spec_correct_drafts_histogram") or []
-                                          for r in spec], strict=False)]  # fmt: skip
+        hists = [list(r.meta.get("spec_correct_drafts_histogram") or []) for r in spec]
+        width = max([len(h) for h in hists] + [(num_steps or 0) + 1])  # SGLang trims zeros
+        hist = [sum(h[i] if i < len(h) else 0 for h in hists) for i in range(width)]
         s.update(
             {
                 "spec_verify_ct": sum(vct),
@@ -400,7 +405,7 @@ def run_load(
         else:
             status, reason = "complete", ""
     finally:
-        summary = summarize(results, state["duration_s"])
+        summary = summarize(results, state["duration_s"], info.get("speculative_num_steps"))
         if not state["server_died"] and healthy(cfg.url, 3.0):
             after = get_metrics(cfg.url)
             summary["server_metrics_delta"] = {k: after[k] - before.get(k, 0.0) for k in after
