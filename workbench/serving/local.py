@@ -412,6 +412,12 @@ class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     _headers_sent = False
 
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except (ConnectionResetError, BrokenPipeError):  # a client dropped its keep-alive
+            self.close_connection = True
+
     def end_headers(self) -> None:
         self._headers_sent = True
         super().end_headers()
