@@ -338,3 +338,23 @@ def test_summary_pools_sglang_trimmed_histograms():
     assert s["pooled_tau_sglang"] == pytest.approx(29 / 21)
     assert s["pooled_tau"] == pytest.approx((29 - 2) / 21)  # decode tokens: the prefill's left out
     assert s["output_tok_s"] == pytest.approx(29 / 2.0) and s["identities_ok"]
+
+
+def test_client_request_rate_and_concurrency_bound(llm, prompts):
+    """Poisson arrivals at the configured rate (seeded), never more in flight than allowed."""
+    import random
+
+    eng = LocalEngine(llm, None)
+    reqs = [lc.LoadRequest(f"r{i}", input_ids=p) for i, p in enumerate(prompts * 2)]
+    with LocalServer(eng).start() as srv:
+        cfg = lc.LoadConfig(srv.url, max_new_tokens=6, concurrency=2, request_rate=20.0, seed=7)
+        run = lc.run_load(cfg, reqs)
+    rng = random.Random(7)
+    due = [0.0]
+    for _ in reqs[1:]:
+        due.append(due[-1] + rng.expovariate(20.0))
+    starts = [r.start_s for r in run.requests]
+    assert all(s >= d for s, d in zip(starts, due, strict=True)), (starts, due)
+    spans = [(r.start_s, r.start_s + r.latency_s) for r in run.requests]
+    assert max(sum(a <= t < b for a, b in spans) for t, _ in spans) <= 2
+    assert run.status == "complete" and eng.stats.requests == len(reqs)
