@@ -126,6 +126,8 @@ def test_a_draft_that_ignores_its_aux_states_is_inconclusive(target, trained):
     a = teacher_forced_audit(llm, d, _random_sequences(32, seed=4))
     assert a.verdict == INCONCLUSIVE
     assert all(r.delta == 0 and r.delta_lo == 0 == r.delta_hi for r in a.rows[1:])
+    power = decisiveness(a)
+    assert power["margin"] == 0 and power["positions_needed"] == float("inf")
 
 
 def test_decisiveness_reports_positions_and_ci(target, trained):

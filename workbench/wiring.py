@@ -314,7 +314,9 @@ def decisiveness(audit: TeacherForcedAudit) -> dict[str, Any]:
     def margin(r: WiringScore) -> float:
         half = (r.delta_hi - r.delta_lo) / 2
         centre = (r.delta_hi + r.delta_lo) / 2
-        return abs(centre) / half if half > 0 else math.inf
+        if half > 0:
+            return abs(centre) / half
+        return math.inf if centre else 0.0  # a zero-width CI: decided unless it sits on 0
 
     hard = min(alts, key=margin)
     m = margin(hard)
@@ -391,6 +393,44 @@ class WiringAuditError(WorkbenchError):
     """The wiring audit cannot find what it needs (capture, target, sequences)."""
 
 
+def find_capture(loaded: Any, capture: str | os.PathLike | None = None) -> Path:
+    """The capture a loaded draft was trained on: `capture`, else its provenance's."""
+    prov = loaded.provenance or {}
+    cap = capture or prov.get("capture")
+    if not cap or not Path(cap).is_dir():
+        raise WiringAuditError(
+            f"{loaded.path}: no capture to take held-out text from (provenance says "
+            f"{prov.get('capture')!r}); pass --capture DIR (the capture the draft was trained on)"
+        )
+    return Path(cap)
+
+
+def audit_sequences(
+    llm: Llama,
+    tokenizer: Any,
+    loaded: Any,
+    capture: str | os.PathLike | None = None,
+    *,
+    eval_prompts: int = 8,
+    max_new_tokens: int = 48,
+    max_tokens: int = 6000,
+) -> list[TFSequence]:
+    """The audit's text for a loaded draft (`draft.load.LoadedDraft`): its capture's held-out
+    split as its training run drew it + greedy continuations of `eval_prompts` MT-bench first
+    turns."""
+    from workbench.capture import CaptureReader
+
+    reader = CaptureReader(find_capture(loaded, capture), verify=False)
+    training = ((loaded.provenance or {}).get("training") or {}).get("config")
+    seqs = heldout_sequences(reader, training, max_tokens=max_tokens)
+    if eval_prompts:
+        from workbench.data import load_mtbench
+
+        prompts = load_mtbench()[:eval_prompts]
+        seqs += continuation_sequences(llm, tokenizer, prompts, max_new_tokens)
+    return seqs
+
+
 def audit_draft_dir(
     draft_path: str | os.PathLike,
     capture: str | os.PathLike | None = None,
@@ -399,30 +439,21 @@ def audit_draft_dir(
     eval_prompts: int = 8,
     max_new_tokens: int = 48,
     max_tokens: int = 6000,
-    threads: int | None = None,
     **kw: Any,
 ) -> TeacherForcedAudit:
     """`teacher_forced_audit` of a draft directory (run, checkpoint or export): the capture
     from its provenance (or `capture`), the target from the provenance / capture manifest (or
-    `target`), sequences = the held-out split + greedy continuations of `eval_prompts`
-    MT-bench first turns. The configured wiring is what a serving engine reads from the
-    draft's config."""
+    `target`), the text from `audit_sequences`. The configured wiring is what a serving
+    engine reads from the draft's config. On a busy 2-core machine `OMP_NUM_THREADS=1` runs
+    it several times faster (a 2-thread op waits for a scheduler slice per step)."""
+    from workbench.capture import CaptureReader
     from workbench.draft.load import load_draft
     from workbench.target import load_target
 
-    if threads:
-        torch.set_num_threads(threads)
     loaded = load_draft(draft_path)
-    prov = loaded.provenance or {}
-    cap = capture or prov.get("capture")
-    if not cap or not Path(cap).is_dir():
-        raise WiringAuditError(
-            f"{draft_path}: no capture to take held-out text from (provenance says "
-            f"{prov.get('capture')!r}); pass --capture DIR (the capture the draft was trained on)"
-        )
-    from workbench.capture import CaptureReader
-
+    cap = find_capture(loaded, capture)
     reader = CaptureReader(cap, verify=False)
+    prov = loaded.provenance or {}
     name = target or (prov.get("target") or {}).get("name") or reader.manifest["target"]["name"]
     tgt = load_target(name, dtype="float32")
     if tgt.fingerprint != reader.target_fingerprint:
@@ -431,12 +462,7 @@ def audit_draft_dir(
             f"({reader.target_fingerprint}); pass --target with the captured target"
         )
     llm = Llama(tgt.model, torch.float32)
-    training = (prov.get("training") or {}).get("config")
-    seqs = heldout_sequences(reader, training, max_tokens=max_tokens)
-    if eval_prompts:
-        from workbench.data import load_mtbench
-
-        seqs += continuation_sequences(llm, tgt.tokenizer, load_mtbench()[:eval_prompts],
-                                       max_new_tokens)  # fmt: skip
+    seqs = audit_sequences(llm, tgt.tokenizer, loaded, cap, eval_prompts=eval_prompts,
+                           max_new_tokens=max_new_tokens, max_tokens=max_tokens)  # fmt: skip
     draft = loaded.draft.float().eval()
     return teacher_forced_audit(llm, draft, seqs, layer_ids=loaded.layer_ids, **kw)
