@@ -120,9 +120,12 @@ PARENT = textwrap.dedent(
     from workbench.serving import process as sp
     dummy, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     argv = [sys.executable, dummy, str(port), "0.2", "ok"]
-    with sp.start(argv, Path(log), f"http://127.0.0.1:{port}", deadline_s=30) as srv:
-        print(srv.pgid, flush=True)
-        time.sleep(600)
+    try:
+        with sp.start(argv, Path(log), f"http://127.0.0.1:{port}", deadline_s=30) as srv:
+            print(srv.pgid, flush=True)
+            time.sleep(600)
+    except KeyboardInterrupt:  # Ctrl-C: the with block has torn the server down
+        sys.exit(130)
     """
 )
 

@@ -39,20 +39,30 @@ def draft_dir(target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(target, draft_dir):
-    return engine_reference(target, draft_dir)
-
-
-@pytest.fixture(scope="module")
-def server(target, draft_dir, tmp_path_factory):
+def started(target, draft_dir, tmp_path_factory):
+    """The server, and the local engine's reference computed while it starts."""
     need_server_env()
     server_env_threads()
     log = tmp_path_factory.mktemp("sglang-eagle") / "server.log"
-    srv = sglang.launch(cpu_spec(target.path, draft_dir), log, deadline_s=STARTUP_DEADLINE_S)
-    print(f"SGLang EAGLE-3 server healthy after {srv.start_s:.1f} s")
-    yield srv
-    srv.stop()
+    srv = sglang.launch(cpu_spec(target.path, draft_dir), log, wait=False)
+    try:
+        ref = engine_reference(target, draft_dir)
+        process.wait_healthy(srv, STARTUP_DEADLINE_S)
+        print(f"SGLang EAGLE-3 server healthy after {srv.start_s:.1f} s")
+        yield srv, ref
+    finally:
+        srv.stop()
     assert not process.group_members(srv.pgid)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def reference(started):
+    return started[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +95,9 @@ def test_per_request_accept_lengths_equal_the_local_engine(answers, reference):
         taus.append(m["spec_accept_length"])
     assert max(taus) > 1.5 > min(taus)  # the comparison is not a trivial all-1.0 one
     print("per-prompt accept length (SGLang = local engine):", [round(t, 3) for t in taus])
+    toks = sum(a["meta_info"]["completion_tokens"] for a in answers)
+    secs = sum(a["meta_info"]["e2e_latency"] for a in answers)
+    print(f"SGLang EAGLE-3 chain 3/1/4 on CPU: {toks / secs:.2f} tok/s (batch 1, e2e)")
 
 
 def _trim(hist: list[int]) -> list[int]:

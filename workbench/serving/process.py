@@ -87,6 +87,7 @@ class Server:
     proc: subprocess.Popen | None = None
     argv: list[str] = field(default_factory=list)
     start_s: float | None = None  # seconds from launch until /health answered 200
+    launched_at: float | None = None  # time.monotonic() at launch
 
     @property
     def pgid(self) -> int | None:
@@ -176,7 +177,7 @@ def launch(
         raise ServerError(f"could not start {argv[0]!r}: {e}") from e
     finally:
         log.close()
-    return Server(url=url, log_path=log_path, proc=proc, argv=list(argv))
+    return Server(url, log_path, proc, list(argv), launched_at=time.monotonic())
 
 
 def wait_healthy(server: Server, deadline_s: float, poll_s: float = 0.5) -> float:
@@ -191,9 +192,9 @@ def wait_healthy(server: Server, deadline_s: float, poll_s: float = 0.5) -> floa
                 f"{server.log_tail()}"
             )
         if is_healthy(server.url, timeout=min(5.0, max(poll_s, 1.0))):
-            waited = time.monotonic() - t0
-            server.start_s = waited
-            return waited
+            now = time.monotonic()
+            server.start_s = now - (server.launched_at or t0)
+            return now - t0
         if time.monotonic() - t0 > deadline_s:
             server.stop()
             raise ServerError(

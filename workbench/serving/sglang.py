@@ -141,6 +141,11 @@ def server_env(spec: ServeSpec, base: dict[str, str] | None = None) -> dict[str,
         env["PYTHONPATH"] = str(CPU_SUPPORT) + (os.pathsep + old if old else "")
         if spec.tp_size > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in spec.env:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = _split_cores(spec.tp_size)
+        if spec.tp_size > 1 and "SGLANG_NCCL_SO_PATH" not in spec.env:
+            # torch 2.14.1's CUDA build brings libnccl, so SGLang would build a PyNccl
+            # communicator on the cpu device and die; without it the ranks all-reduce with
+            # torch.distributed (gloo), which SGLang uses on CPUs without AMX anyway.
+            env["SGLANG_NCCL_SO_PATH"] = "/nonexistent/libnccl-disabled-on-cpu.so.2"
     return env
 
 
@@ -339,10 +344,12 @@ def launch(
     deadline_s: float = 600.0,
     python: str | os.PathLike | None = None,
     check_draft: bool = True,
+    wait: bool = True,
 ) -> Server:
     """Validate, start SGLang (free loopback port unless the spec names one), wait for /health.
 
     The draft is checked first (`draft_problems`); `check_draft=False` leaves it to SGLang.
+    `wait=False` returns once started (then `process.wait_healthy`; stop it on any error).
     Failures raise ServeSpecError (bad spec/draft, nothing started) or ServerError (SGLang
     died or never became healthy: the log tail in the message, the process group gone)."""
     py = python or server_python()
@@ -368,9 +375,10 @@ def launch(
             raise ServeSpecError(
                 f"draft {spec.draft} would not serve correctly:\n  " + "\n  ".join(probs)
             )
-    return process.start(
-        command(spec, py), Path(log_path), spec.url(), deadline_s=deadline_s, env=server_env(spec)
-    )
+    argv, env = command(spec, py), server_env(spec)
+    if not wait:  # the caller does other work, then `process.wait_healthy(server, deadline)`
+        return process.launch(argv, Path(log_path), spec.url(), env=env)
+    return process.start(argv, Path(log_path), spec.url(), deadline_s=deadline_s, env=env)
 
 
 def resolve_target(target: str) -> str:
