@@ -446,6 +446,9 @@ def test_served_backend_sweeps_a_real_local_server(tiny_target, tiny_target_dir,
     load = json.loads(Path(spec["load"]).read_text())
     assert load["status"] == "complete" and load["config"]["concurrency"] == 2
     assert load["summary"]["identities_ok"] is True
+    hists = [q["meta"]["spec_correct_drafts_histogram"] for q in load["requests"]]
+    total = [sum(h[i] for h in hists if i < len(h)) for i in range(max(map(len, hists)))]
+    assert spec["acceptance"] == (metrics.acceptance_from_histogram(total) + [0.0, 0.0])[:2]
     # one trace line per verify of the measured requests (the warm-up's cycles left out)
     assert spec["trace_cycles"] == load["summary"]["spec_verify_ct"]
 

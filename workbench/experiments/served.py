@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from workbench import metrics
 from workbench.engine.trace import read_trace
 from workbench.errors import WorkbenchError
 from workbench.experiments.sweep import RunFailed, config_key
@@ -144,9 +145,14 @@ class ServedBackend:
         }
         if s.get("speculative"):
             out["tau_sglang"] = s["pooled_tau_sglang"]
+            # per-request histograms summed with padding (their lengths differ: a request
+            # that never accepted 2 drafts stops at h[1])
+            hists = [r.meta.get("spec_correct_drafts_histogram") or [] for r in ok]
+            width = max(map(len, hists), default=0)
+            total = [sum(h[i] for h in hists if i < len(h)) for i in range(width)]
             n = int(config["num_steps"])
-            acc = list(s.get("acceptance_from_histogram") or [])
-            out["acceptance"] = acc[:n]
+            acc = metrics.acceptance_from_histogram(total) if total else []
+            out["acceptance"] = (acc + [0.0] * n)[:n]  # positions never reached: 0
         if recs:
             out.update(
                 draft_ms=statistics.fmean(r.draft_ms for r in recs),
