@@ -7,6 +7,7 @@ SGLang's own parser; drafts SGLang would serve wrong refused before launch."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,6 @@ from sglang_common import (
     engine_reference,
     export_repeat_draft,
     need_server_env,
-    server_env_threads,
 )
 
 from workbench import metrics
@@ -42,7 +42,6 @@ def draft_dir(target, tmp_path_factory):
 def started(target, draft_dir, tmp_path_factory):
     """The server, and the local engine's reference computed while it starts."""
     need_server_env()
-    server_env_threads()
     log = tmp_path_factory.mktemp("sglang-eagle") / "server.log"
     srv = sglang.launch(cpu_spec(target.path, draft_dir), log, wait=False)
     try:
@@ -194,6 +193,12 @@ def test_cpu_command_and_environment(tmp_path):
     env = sglang.server_env(spec, base={"PYTHONPATH": "/x"})
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env["PYTHONPATH"].split(":") == [str(sglang.CPU_SUPPORT), "/x"]
+    assert env["OMP_NUM_THREADS"] == "1"  # the spec's own variables
+    tp2 = sglang.server_env(sglang.ServeSpec(target="/m", device="cpu", tp_size=2), base={})
+    assert len(tp2["SGLANG_CPU_OMP_THREADS_BIND"].split("|")) == 2  # one core group per rank
+    assert not Path(tp2["SGLANG_NCCL_SO_PATH"]).exists()  # no PyNccl on the cpu device
+    gpu = sglang.server_env(sglang.ServeSpec(target="/m", tp_size=8), base={})
+    assert "SGLANG_USE_CPU_ENGINE" not in gpu and "SGLANG_NCCL_SO_PATH" not in gpu
 
 
 def _copy_draft(src, dst, edit_config=None, edit_weights=None):

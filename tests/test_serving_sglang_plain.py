@@ -11,7 +11,6 @@ from sglang_common import (
     cpu_spec,
     engine_reference,
     need_server_env,
-    server_env_threads,
 )
 
 from workbench.serving import process, sglang
@@ -26,7 +25,6 @@ def target():
 
 def test_plain_serving_tokens_equal_the_local_engine(target, tmp_path):
     need_server_env()
-    server_env_threads()
     server = sglang.launch(cpu_spec(target.path), tmp_path / "server.log", wait=False)
     try:
         ref = engine_reference(target, None)  # computed while the server starts
