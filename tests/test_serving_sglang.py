@@ -71,12 +71,14 @@ def answers(server, reference):
     ]
 
 
+@pytest.mark.slow
 def test_eagle3_tokens_equal_plain_and_speculative_local_engine(answers, reference):
     for ans, plain, spec in zip(answers, reference.plain, reference.spec, strict=True):
         assert spec == plain  # the engine itself is lossless
         assert ans["output_ids"] == plain
 
 
+@pytest.mark.slow
 def test_per_request_accept_lengths_equal_the_local_engine(answers, reference):
     taus = []
     for ans, want in zip(answers, reference.meta, strict=True):
@@ -106,6 +108,7 @@ def _trim(hist: list[int]) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_server_info_and_flush_cache(server, answers):
     m = sglang.read_metrics(server.url)
     verify = sum(a["meta_info"]["spec_verify_ct"] for a in answers)
@@ -119,6 +122,7 @@ def test_metrics_server_info_and_flush_cache(server, answers):
     assert process.is_healthy(server.url)
 
 
+@pytest.mark.slow
 def test_sglang_parser_accepts_a_tp8_command_and_names_its_rejections(tmp_path):
     need_server_env()
     tp8 = sglang.ServeSpec(
@@ -214,6 +218,7 @@ def _copy_draft(src, dst, edit_config=None, edit_weights=None):
     return dst
 
 
+@pytest.mark.slow
 def test_a_draft_with_a_wrong_key_or_hidden_size_is_refused_before_launch(
     target, draft_dir, tmp_path
 ):

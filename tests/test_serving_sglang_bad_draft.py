@@ -13,6 +13,8 @@ from sglang_common import STARTUP_DEADLINE_S, cpu_spec, export_repeat_draft, nee
 
 from workbench.serving import process, sglang
 
+pytestmark = pytest.mark.slow  # the real 135M target and a real SGLang server
+
 
 def test_wrong_hidden_size_fails_to_start_with_sglangs_reason(tmp_path):
     need_server_env()

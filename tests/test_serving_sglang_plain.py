@@ -15,6 +15,8 @@ from sglang_common import (
 
 from workbench.serving import process, sglang
 
+pytestmark = pytest.mark.slow  # the real 135M target and a real SGLang server
+
 
 @pytest.fixture(scope="module")
 def target():
