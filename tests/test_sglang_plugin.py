@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import shutil
 import subprocess
 import time
 from collections import defaultdict
@@ -176,6 +178,49 @@ def test_live_wiring_check_passes_the_correct_export(served, manifest, draft_dir
     assert all(
         r.looks_like is not None and abs(r.looks_like - r.captured_layer) < 1 for r in res.rows
     )
+
+
+@pytest.fixture(scope="module")
+def shifted_trace(target, draft_dir, tmp_path_factory):
+    """A second server: the same export with eagle_aux_hidden_state_layer_ids shifted by one in
+    config.json (the field report's hand edit). Opt-in (another ~2-3 min start on this CPU):
+    WORKBENCH_TEST_SHIFTED_SERVER=1."""
+    if os.environ.get("WORKBENCH_TEST_SHIFTED_SERVER") != "1":
+        pytest.skip("set WORKBENCH_TEST_SHIFTED_SERVER=1 to serve the shifted export as well")
+    need_server_env()
+    server_env_threads()
+    d = tmp_path_factory.mktemp("plugin-shifted")
+    shifted = d / "export"
+    shutil.copytree(draft_dir, shifted)
+    cfg = json.loads((shifted / "config.json").read_text())
+    ec = cfg["eagle_config"]
+    ec["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ec["eagle_aux_hidden_state_layer_ids"]]
+    (shifted / "config.json").write_text(json.dumps(cfg))
+    spec = cpu_spec(target.path, shifted)
+    spec.trace_dir, spec.trace_hidden = str(d / "trace"), True
+    # the export's provenance (workbench.json) still names the trained ids: refused before launch
+    with pytest.raises(sglang.ServeSpecError, match="off-by-one"):
+        sglang.launch(spec, d / "refused.log")
+    (shifted / "workbench.json").unlink()  # a draft from elsewhere: its config is all there is
+    srv = sglang.launch(spec, d / "server.log", deadline_s=STARTUP_DEADLINE_S)
+    try:
+        tok = target.tokenizer
+        for p in PROMPTS + GENERIC:
+            sglang.generate(srv.url, tok(p, add_special_tokens=False)["input_ids"], NEW_TOKENS)
+    finally:
+        srv.stop()
+    return plugin.read_trace_dir(spec.trace_dir), served_layer_ids(shifted)
+
+
+def test_live_wiring_check_flags_the_shifted_export(shifted_trace, manifest):
+    recs, served = shifted_trace
+    assert live_wiring_check(recs, manifest).problems  # the norms alone flag it
+    res = live_wiring_check(recs, manifest, served)
+    for row in res.rows:
+        print(row)
+    print(res.result_line(), *res.problems, sep="\n")
+    assert any(r.flagged and r.looks_like > r.captured_layer for r in res.rows)
+    assert res.problems[-1].startswith("the draft's config names layers [2, 15, 27]")
 
 
 # ---------------------------------------------------------------- without a server
