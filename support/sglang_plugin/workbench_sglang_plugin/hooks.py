@@ -209,8 +209,10 @@ class Tracer:
             c.extend_width = int(h.shape[-1])
             H = c.draft_width
             if self.hidden and H and c.extend_width > H and c.extend_width % H == 0 and len(h):
-                # mean row L2 norm per aux layer, as a device tensor: read after the cycle
-                c.aux_norms = h.float().view(len(h), -1, H).norm(dim=-1).mean(0)
+                # mean row L2 norm per aux layer; on GPU an async copy to (pinned) host memory,
+                # complete once the cycle's last event is: read then, no sync in the cycle
+                n = h.float().view(len(h), -1, H).norm(dim=-1).mean(0)
+                c.aux_norms = n.to("cpu", non_blocking=True) if n.is_cuda else n
         return self._timed("extend", orig, (dw, *args), kwargs)
 
     # -- scheduler side: accepted counts, then cuts at eos / max_new_tokens ------------------
