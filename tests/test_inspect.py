@@ -32,6 +32,7 @@ from workbench.engine import CycleRecord, SpecParams
 from workbench.inspect import (
     EvalResult,
     RequestResult,
+    cycle_anatomy,
     evaluate_draft,
     missed_tokens,
     time_breakdown,
@@ -81,6 +82,23 @@ def test_time_breakdown_splits_cycle_time():
     tb = time_breakdown(recs)
     assert tb["cycles"] == 3 and tb["verify_ms"] == 6.0 and tb["other_ms"] == pytest.approx(1.0)
     assert sum(tb["share"].values()) == pytest.approx(1.0)
+
+
+def test_cycle_anatomy_orders_requests_and_counts_hidden_dims():
+    # a batched trace (SGLang's plugin): requests join and leave, cycles written out of order
+    recs = [
+        CycleRecord("r", 0, 1, ["a", "b"], 2, 3, 1, 4, [4, 1], 1.0, 20.0, 0.5, 22.0, [192, 64, 64]),
+        CycleRecord("r", 0, 0, ["a"], 1, 3, 1, 4, [2], 1.0, 19.0, 0.5, 21.0, [192, 64, 64]),
+        CycleRecord("r", 0, 2, ["b"], 1, 3, 1, 4, [3], 1.0, 18.0, 0.5, 20.0, [64, 64, 64]),
+    ]
+    an = cycle_anatomy(recs)
+    assert an["accepted"] == {"a": [(0, 2), (1, 4)], "b": [(1, 1), (2, 3)]}
+    assert an["hidden_in_dims"] == [{"dims": [192, 64, 64], "cycles": 2},
+                                    {"dims": [64, 64, 64], "cycles": 1}]  # fmt: skip
+    assert an["time"]["cycles"] == 3 and an["time"]["share"]["verify"] == pytest.approx(57 / 63)
+    bad = CycleRecord("r", 0, 3, ["a", "b"], 2, 3, 1, 4, [1], 1.0, 1.0, 1.0, 3.0)
+    with pytest.raises(ValueError):  # a record whose counts do not match its requests
+        cycle_anatomy([bad])
 
 
 def test_wirings_skip_out_of_range_and_duplicates():

@@ -38,15 +38,28 @@ def test_notebook_04_serves_loads_and_records(tiny_target, tiny_target_dir, tmp_
     titles = [
         o["data"][PLOTLY]["layout"]["title"]["text"] for o in outs if PLOTLY in o.get("data", {})
     ]
-    assert len(titles) == 4, titles
+    assert len(titles) == 6, titles
     assert "Accepted draft tokens per verify" in titles[0]
     assert "Per-position acceptance" in titles[1]
     assert "with and without speculation" in titles[2] and "TTFT" in titles[3]
+    assert "Time per decode cycle" in titles[4] and "Accept length over time" in titles[5]
     text = "".join("".join(o.get("text", "")) for o in outs)
     assert "identical outputs 3/3" in text  # greedy fp32 speculation is exact through the server
     rec = json.loads((tmp_path / "figures.json").read_text())["04"]
     assert rec["serve_status"] == "complete" and rec["serve_identities_ok"] is True
     assert rec["serve_tau_sglang"] >= 1.0 and rec["serve_tok_s"] > 0 and rec["serve_speedup"] > 0
+    # cycle anatomy from the local engine's trace: every verify of the 3 requests is one cycle
+    cycles = [json.loads(x) for x in (tmp_path / "trace-eagle3" / "trace-rank0.jsonl").open()]
+    assert rec["serve_cycles"] == len(cycles) >= 3
+    per_req = [
+        sum(r in c["request_ids"] for c in cycles)
+        for r in {x for c in cycles for x in c["request_ids"]}
+    ]
+    served = json.loads((tmp_path / "load-eagle3.json").read_text())["requests"]
+    assert sorted(per_req) == sorted(r["meta"]["spec_verify_ct"] for r in served)
+    shares = [rec[f"serve_{k}_share"] for k in ("draft", "verify", "extend")]
+    assert all(0 < x < 1 for x in shares) and sum(shares) <= 1 + 1e-9
+    assert all(c["hidden_in_dims"] == [3 * 64, 64] for c in cycles)  # k*H, then H (2 steps)
     for name in ("eagle3", "plain"):
         saved = json.loads((tmp_path / f"load-{name}.json").read_text())
         assert saved["status"] == "complete" and len(saved["requests"]) == 3

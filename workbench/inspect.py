@@ -235,6 +235,23 @@ def time_breakdown(cycles: Sequence[CycleRecord]) -> dict:
             "share": {k[:-3]: p / t if t else 0.0 for k, p in parts.items()}}  # fmt: skip
 
 
+def cycle_anatomy(cycles: Sequence[CycleRecord]) -> dict:
+    """One trace's cycle views (the engine's or the SGLang plugin's: same schema).
+
+    `time`: `time_breakdown` (the share of draft / verify / extend per cycle); `accepted`:
+    request id → [(cycle, tokens emitted that cycle, bonus included)] in cycle order, the
+    accept length over time SGLang's counters average away; `hidden_in_dims`: each distinct
+    list of widths fed to the draft steps ([k*H, H, ...] when wired right) with its cycle count.
+    """
+    accepted: dict[str, list[tuple[int, int]]] = {}
+    for c in sorted(cycles, key=lambda c: (c.rank, c.cycle)):
+        for rid, a in zip(c.request_ids, c.accepted, strict=True):
+            accepted.setdefault(rid, []).append((c.cycle, a))
+    dims = Counter(tuple(c.hidden_in_dims) for c in cycles if c.hidden_in_dims)
+    return {"time": time_breakdown(cycles), "accepted": accepted,
+            "hidden_in_dims": [{"dims": list(d), "cycles": n} for d, n in dims.most_common()]}  # fmt: skip
+
+
 def _piece(tokenizer: Any, tok: int) -> str:
     return tokenizer.decode([tok]) if tokenizer is not None else f"<{tok}>"
 

@@ -319,6 +319,24 @@ def cycle_time_breakdown(breakdown: dict):
     return fig
 
 
+def accept_over_time(accepted: dict[str, list[tuple[int, int]]]):
+    """Tokens each request emitted per verify cycle (bonus included), in cycle order."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for rid, rows in accepted.items():
+        fig.add_trace(go.Scatter(x=list(range(len(rows))), y=[a for _, a in rows],
+                                 mode="lines+markers", name=str(rid)[:12]))  # fmt: skip
+    fig.update_layout(
+        title=f"Accept length over time per request ({len(accepted)} requests)",
+        xaxis_title="verify cycle of the request",
+        yaxis_title="tokens emitted (bonus included)",
+        template="plotly_white",
+        height=420,
+    )
+    return fig
+
+
 # ---------------------------------------------------------------- 03 speed
 
 

@@ -78,6 +78,7 @@ class LocalConfig:
     dtype: str = "float32"
     seed: int = 0
     trace_path: str | None = None
+    trace_hidden: bool = False  # the trace also records per-aux-layer norms (live wiring check)
     model_name: str | None = None
 
     @property
@@ -99,6 +100,8 @@ class LocalConfig:
                     a += [flag, str(v)]
         if self.trace_path:
             a += ["--trace-path", str(self.trace_path)]
+            if self.trace_hidden:
+                a.append("--trace-hidden")
         if self.model_name:
             a += ["--served-model-name", self.model_name]
         return a
@@ -175,7 +178,9 @@ def load_engine(cfg: LocalConfig) -> LocalEngine:
             if isinstance(e, LocalServerError):
                 raise
             raise LocalServerError(f"cannot load draft {cfg.draft!r}: {e}") from e
-    trace = TraceWriter(cfg.trace_path) if cfg.trace_path and params is not None else None
+    trace = None
+    if cfg.trace_path and params is not None:
+        trace = TraceWriter(cfg.trace_path, hidden_norms=cfg.trace_hidden)
     try:
         return LocalEngine(llm, tgt.tokenizer, draft, params, model_path=str(cfg.model_path),
                            draft_path=cfg.draft or None, trace=trace, seed=cfg.seed,
@@ -575,6 +580,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[LocalConfig, str, int]:
     ap.add_argument("--host", default=LOOPBACK)
     ap.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     ap.add_argument("--trace-path", default=None, help="write the per-cycle trace (JSON lines)")
+    ap.add_argument(
+        "--trace-hidden",
+        action="store_true",
+        help="the trace also records per-aux-layer norms (live wiring check)",
+    )
     ap.add_argument("--served-model-name", default=None)
     a = ap.parse_args(argv)
     alg = a.speculative_algorithm
@@ -585,7 +595,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[LocalConfig, str, int]:
         speculative_algorithm=None if (alg or "").lower() in ("", "none") else alg,
         num_steps=a.speculative_num_steps, eagle_topk=a.speculative_eagle_topk,
         num_draft_tokens=a.speculative_num_draft_tokens, dtype=a.dtype, seed=a.random_seed,
-        trace_path=a.trace_path, model_name=a.served_model_name,
+        trace_path=a.trace_path, trace_hidden=a.trace_hidden, model_name=a.served_model_name,
     )  # fmt: skip
     return cfg, a.host, a.port
 

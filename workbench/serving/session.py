@@ -8,6 +8,7 @@ its own process group through `workbench.serving.sglang` (see there).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -60,8 +61,14 @@ def open_server(
     device: str = "auto",
     log_dir: str | os.PathLike = "reports/serve",
     deadline_s: float = 900.0,
+    trace_dir: str | os.PathLike | None = None,
+    trace_hidden: bool = False,
 ) -> Iterator[Session]:
-    """Attach to `url` when given, else launch `cfg` on `backend` for the block, then stop it."""
+    """Attach to `url` when given, else launch `cfg` on `backend` for the block, then stop it.
+
+    `trace_dir`: a launched server writes the per-cycle trace there as `trace-rank{R}.jsonl`
+    (SGLang through the workbench_trace plugin, the local engine as rank 0), so
+    `serving.plugin.read_trace_dir` reads either; `trace_hidden` adds per-aux-layer norms."""
     if backend not in BACKENDS:
         raise ServerError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if url:
@@ -74,7 +81,10 @@ def open_server(
 
         mode = "eagle3" if cfg.speculative else "plain"
         log = Path(log_dir) / f"sglang-{mode}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-        server = sglang.launch(sglang_spec(cfg, tp_size, device), log, deadline_s=deadline_s)
+        spec = sglang_spec(cfg, tp_size, device)
+        if trace_dir is not None:
+            spec = dataclasses.replace(spec, trace_dir=str(trace_dir), trace_hidden=trace_hidden)
+        server = sglang.launch(spec, log, deadline_s=deadline_s)
         try:
             yield Session(server.url, backend, True, list(server.argv), time.perf_counter() - t0)
         finally:
@@ -82,6 +92,9 @@ def open_server(
         return
     if tp_size != 1:
         raise ServerError("the local backend runs in one process: tp_size must be 1")
+    if trace_dir is not None:
+        path = str(Path(trace_dir) / "trace-rank0.jsonl")
+        cfg = dataclasses.replace(cfg, trace_path=path, trace_hidden=trace_hidden)
     server = LocalServer(load_engine(cfg)).start()
     try:
         yield Session(server.url, backend, True, cfg.argv(port=server.port),
