@@ -439,13 +439,15 @@ def audit_draft_dir(
     eval_prompts: int = 8,
     max_new_tokens: int = 48,
     max_tokens: int = 6000,
+    threads: int | None = None,
     **kw: Any,
 ) -> TeacherForcedAudit:
     """`teacher_forced_audit` of a draft directory (run, checkpoint or export): the capture
     from its provenance (or `capture`), the target from the provenance / capture manifest (or
     `target`), the text from `audit_sequences`. The configured wiring is what a serving
-    engine reads from the draft's config. On a busy 2-core machine `OMP_NUM_THREADS=1` runs
-    it several times faster (a 2-thread op waits for a scheduler slice per step)."""
+    engine reads from the draft's config. `threads` (torch intra-op threads) defaults to 1
+    when other processes already keep every core busy (load average >= cores): there a
+    2-thread op waits for a scheduler slice at every step (measured 208 s vs 33 s)."""
     from workbench.capture import CaptureReader
     from workbench.draft.load import load_draft
     from workbench.target import load_target
@@ -461,6 +463,20 @@ def audit_draft_dir(
             f"target {name!r} (fingerprint {tgt.fingerprint}) is not the target of capture {cap} "
             f"({reader.target_fingerprint}); pass --target with the captured target"
         )
+    if threads is None and os.getloadavg()[0] >= (os.cpu_count() or 1):
+        threads = 1
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or old_threads)
+    try:
+        return _audit_loaded(tgt, loaded, cap, eval_prompts, max_new_tokens, max_tokens, kw)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _audit_loaded(
+    tgt: Any, loaded: Any, cap: Path, eval_prompts: int, max_new_tokens: int, max_tokens: int,
+    kw: dict[str, Any],
+) -> TeacherForcedAudit:  # fmt: skip
     llm = Llama(tgt.model, torch.float32)
     seqs = audit_sequences(llm, tgt.tokenizer, loaded, cap, eval_prompts=eval_prompts,
                            max_new_tokens=max_new_tokens, max_tokens=max_tokens)  # fmt: skip
