@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,13 @@ class AuxRecorder:
             self.out[i] = h.detach()
 
         return fn
+
+    name = "hf"  # the capture backend, recorded in the manifest
+
+    def forward(
+        self, target, batch_ids: list[list[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return forward_aux(target, batch_ids, self)
 
     def pop(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [B, T, k*H], last [B, T, H]) from the forward just run."""
@@ -237,7 +244,7 @@ def write_shard(
     dtype = _storage_dtype(cfg.dtype)
     results: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     for batch in _pack_batches([len(s[0]) for s in samples], cfg.batch_tokens):
-        outs = forward_aux(target, [samples[i][0] for i in batch], recorder)
+        outs = recorder.forward(target, [samples[i][0] for i in batch])
         for i, o in zip(batch, outs, strict=True):
             results[i] = o
     ids = torch.tensor([t for s in samples for t in s[0]], dtype=torch.long)
@@ -280,6 +287,7 @@ def capture(
     prompt_set: dict | None = None,
     progress: bool = True,
     groups: list[str] | None = None,
+    recorder: Callable = AuxRecorder,
 ) -> dict:
     """Capture aux hidden states for conversations (lists of messages); resumable.
 
@@ -287,12 +295,15 @@ def capture(
     `groups` (one name per conversation, e.g. the prompt id) keeps several answers to one
     prompt on the same side of training's held-out split. Everything is validated before the
     folder is touched; the folder is locked against a second writer while this runs.
+    `recorder(target, layer_ids)`: the backend (a context manager with `forward(target,
+    batch_ids)` -> per-sample (aux, last)); `serving.capture_sglang` has SGLang's.
     """
     validate(cfg.layer_ids, target.num_layers)
     if groups is not None and len(groups) != len(conversations):
         raise CaptureError(f"{len(groups)} groups for {len(conversations)} conversations")
     with locked_dir(out_dir, "capture folder"):
-        return _capture(target, conversations, Path(out_dir), cfg, prompt_set, progress, groups)
+        return _capture(target, conversations, Path(out_dir), cfg, prompt_set, progress, groups,
+                        recorder)  # fmt: skip
 
 
 def _capture(
@@ -303,6 +314,7 @@ def _capture(
     prompt_set: dict | None,
     progress: bool,
     groups: list[str] | None,
+    recorder: Callable = AuxRecorder,
 ) -> dict:
     from workbench.data import encode_conversation
     from workbench.progress import progress as tqdm
@@ -336,7 +348,7 @@ def _capture(
         total=total_tokens, desc="capture", unit="tok", unit_scale=True, disable=not progress
     )
     entries = []
-    with AuxRecorder(target, layer_ids) as rec:
+    with recorder(target, layer_ids) as rec:
         for si in range(n_shards):
             chunk = encoded[si * S : (si + 1) * S]
             path = out / _shard_name(si)
@@ -370,6 +382,7 @@ def _capture(
         "norm_stats": norm_stats,
         "shards": entries,
         "groups": list(groups) if groups is not None else None,
+        "capture_backend": rec.name,
         "versions": package_versions(),
         "git_sha": git_facts()["sha"],
     }

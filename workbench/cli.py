@@ -107,8 +107,14 @@ def capture(
         1, help="answers per regenerated prompt: the first greedy, the others sampled"
     ),
     sample_temperature: float = typer.Option(0.8, help="temperature of the extra answers"),
+    backend: str = typer.Option(
+        "hf", help="hf (forward hooks) | sglang (aux states from SGLang, launched or --sglang-url)"
+    ),
+    sglang_url: str = typer.Option("", help="attach to a running SGLang capture server"),
+    tp_size: int = typer.Option(1, help="tensor parallelism of the launched SGLang server"),
 ) -> None:
     """Capture aux hidden states (+ final hidden) into shards + manifest.json."""
+    import contextlib
     from pathlib import Path
 
     from workbench.capture import CaptureConfig
@@ -126,15 +132,31 @@ def capture(
     t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
     ids = parse_layer_spec(layers, t.num_layers, convention)
     cfg = CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens)
+    if backend not in ("hf", "sglang"):
+        raise typer.BadParameter(f"--backend must be hf or sglang, got {backend!r}")
     ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen)
-    m = run_capture(
-        t,
-        [p.messages() for p in ps],
-        out,
-        cfg,
-        prompt_set=info,
-        groups=[base_id(p.id) for p in ps],
-    )
+    with contextlib.ExitStack() as stack:
+        rec = {}
+        if backend == "sglang":
+            from workbench.serving import capture_sglang as cs
+
+            url = sglang_url
+            if not url:
+                spec = cs.capture_spec(str(t.path), ids, t.num_layers, tp_size=tp_size,
+                                       dtype=target_dtype, device="cpu" if device == "cpu" else "cuda")  # fmt: skip
+                log = Path("reports/serve") / f"sglang-capture-{Path(out).name}.log"
+                typer.echo(f"starting SGLang capture server (log: {log})")
+                url = stack.enter_context(cs.capture_server(spec, log))
+            rec = {"recorder": cs.recorder(url)}
+        m = run_capture(
+            t,
+            [p.messages() for p in ps],
+            out,
+            cfg,
+            prompt_set=info,
+            groups=[base_id(p.id) for p in ps],
+            **rec,
+        )
     typer.echo(
         f"captured {m['num_samples']} samples, {m['num_tokens']} tokens "
         f"({m['num_loss_tokens']} assistant) at layers {m['layer_ids']} into {out}"

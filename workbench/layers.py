@@ -179,3 +179,23 @@ def parse_layer_spec(
     else:
         ids = [int(x) for x in spec]
     return validate(LayerIds(tuple(ids), convention), num_layers)
+
+
+def sglang_return_aux_ids(layer_ids: LayerIds, num_layers: int) -> list[int]:
+    """Ids for SGLang's `--return-aux-hidden-state-layer-ids` (EAGLE3 capture convention).
+
+    SGLang 0.5.23 reads them as `output_of_layer` and captures at `layers_to_capture = id + 1`
+    (the input of the next layer: its +1 convention, `input_of_layer`). Two consequences,
+    refused here: the embedding output (-1) is not expressible (SGLang rejects negative ids),
+    and the last layer's output is never captured (no layer follows it; SGLang fails at the
+    first forward)."""
+    ids = validate(layer_ids, num_layers).to(OUTPUT_OF_LAYER).ids
+    cap = LayerIds(ids, OUTPUT_OF_LAYER).to(INPUT_OF_LAYER).ids  # what SGLang hooks
+    bad = [i for i, c in zip(ids, cap, strict=True) if i < 0 or c >= num_layers]
+    if bad:
+        raise LayerConventionError(
+            f"SGLang cannot return aux layers {bad} ({OUTPUT_OF_LAYER}) of a {num_layers}-layer "
+            f"target: it captures the input of layer id+1, so -1 (embeddings) and "
+            f"{num_layers - 1} (last layer) are out of its reach; use the HF backend"
+        )
+    return list(ids)

@@ -420,14 +420,18 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     timeout: float = 600.0,
+    return_hidden_states: bool = False,
     **sampling: Any,
 ) -> dict:
-    """One blocking `/generate` request on token ids; SGLang's response (output_ids, meta_info)."""
+    """One blocking `/generate` request on token ids; SGLang's response (output_ids, meta_info).
+    `return_hidden_states`: meta_info["hidden_states"] (the aux states on a capture server)."""
     body = {
         "input_ids": [int(t) for t in input_ids],
         "sampling_params": {"max_new_tokens": int(max_new_tokens),
                             "temperature": float(temperature), **sampling},
     }  # fmt: skip
+    if return_hidden_states:
+        body["return_hidden_states"] = True
     return _json(url.rstrip("/") + "/generate", body, timeout)
 
 
