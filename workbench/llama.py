@@ -89,25 +89,22 @@ class Output:
     final_hidden: Tensor | None = None  # [B, k, dim], before the final norm
 
 
-# Rows up to which fp32 matmuls go to oneDNN instead of MKL sgemm (see `linear`).
-ONEDNN_MAX_ROWS = 64
-
-
 def onednn_fp32_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None, onednn: bool = False) -> Tensor:
-    """`F.linear`, or oneDNN's inner product for fp32 CPU inputs with few rows.
+    """`F.linear`, or oneDNN's inner product for fp32 CPU inputs.
 
-    Why: a decode/verify step is bound by reading the weights, so k rows should cost about
-    what one row costs. For 2..64 fp32 rows torch calls MKL sgemm, which on this AMD CPU
-    runs 1.5-2x slower than MKL's one-row gemv (with or without MKL_CBWR), so verifying 2
-    tokens cost ~1.5x decoding one. oneDNN's kernel stays near the one-row cost (the same
-    library torch already uses for bf16 matmuls). Results agree with F.linear to fp32
-    rounding; larger row counts (prefill) keep MKL.
+    Why: torch sends fp32 matmuls to MKL sgemm, which on this AMD CPU runs its slower
+    kernels (with or without MKL_CBWR): one-token decode reads the weights at ~19 GB/s, but
+    2-8 rows cost 1.5-2x one row (verify should cost about one decode step), and large row
+    counts reach ~85 GFLOP/s per core. oneDNN (the library torch already uses for bf16
+    matmuls) is faster at every row count measured, 1 to 2048 rows: ~1.2x at one row,
+    ~1.6x at 2-8 rows, ~2x from 16 rows on (prefill). Results agree with F.linear to fp32
+    rounding.
     """
-    if onednn and x.dtype == torch.float32 and x.numel() // x.shape[-1] <= ONEDNN_MAX_ROWS:
+    if onednn and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
@@ -170,7 +167,7 @@ class Llama:
         self.lm_head = self.embed if lm is m.embed_tokens.weight else cv(lm)
         self.device = dev
         self._cos = self._sin = torch.empty(0)
-        # oneDNN for few-row fp32 matmuls on CPU (see `linear`); False = plain F.linear
+        # oneDNN for fp32 matmuls on CPU (see `linear`); False = plain F.linear
         self.onednn = dev.type == "cpu" and dtype == torch.float32 and onednn_fp32_available()
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
