@@ -31,28 +31,26 @@ CLOCK = time.perf_counter
 
 
 def time_verify(
-    variants: dict[str, tuple[Llama, bool]], repeats: int, prefill: int = 128, seed: int = 0
+    variants: dict[str, Llama], repeats: int, prefill: int = 128, seed: int = 0
 ) -> dict[str, dict[int, float]]:
-    """Median seconds per call for each variant (a Llama and its `onednn` switch) and k.
+    """Median seconds per call for each variant (a named Llama) and k.
 
     k=1 is a decode step (logits of the last token), k>1 a verify. Every repeat runs every
     variant and k in a rotating order, so load from other processes hits them alike.
     """
     g = torch.Generator().manual_seed(seed)
-    llm0 = next(iter(variants.values()))[0]
+    llm0 = next(iter(variants.values()))
     V = int(llm0.config.vocab_size)
     aux = list(default_layer_ids(llm0.n_layers).canonical)
     prompt = torch.randint(0, V, (1, prefill), generator=g)
     toks = {k: torch.randint(0, V, (1, k), generator=g) for k in KS}
     caches = {}
-    for name, (llm, od) in variants.items():
-        llm.onednn = od
+    for name, llm in variants.items():
         caches[name] = llm.new_cache(1, prefill + max(KS) + 1)
         llm(prompt, caches[name], logits="none")
 
     def call(name: str, k: int) -> float:
-        llm, od = variants[name]
-        llm.onednn = od
+        llm = variants[name]
         t0 = CLOCK()
         if k == 1:
             llm(toks[k], caches[name], logits="last", advance=False)
@@ -83,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu: process CPU time (with --threads 1, robust to other processes' load)",
     )
     ap.add_argument(
-        "--compare", action="store_true", help="also time fp32 with plain F.linear (the old path)"
+        "--compare",
+        action="store_true",
+        help="also time the unpacked weights on F.linear (the old path)",
     )
     args = ap.parse_args(argv)
     if args.threads:
@@ -99,12 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         "repeats, medians "
         f"(load average {os.getloadavg()[0]:.1f}: timings on a shared machine are noisy)"
     )
-    variants: dict[str, tuple[Llama, bool]] = {}
+    variants: dict[str, Llama] = {}
     for name in args.dtypes.split(","):
-        llm = Llama(target.model, getattr(torch, name))
-        variants[name] = (llm, llm.onednn)
-        if name == "float32" and args.compare and llm.onednn:
-            variants["float32 F.linear (before)"] = (llm, False)
+        variants[name] = Llama(target.model, getattr(torch, name))
+        if args.compare and variants[name].onednn:
+            variants[f"{name} unpacked (before)"] = Llama(target.model, getattr(torch, name), False)
     med = time_verify(variants, args.repeats)
     ratios = {n: {k: m[k] / m[1] for k in KS} for n, m in med.items()}
     for n, m in med.items():

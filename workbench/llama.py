@@ -89,22 +89,36 @@ class Output:
     final_hidden: Tensor | None = None  # [B, k, dim], before the final norm
 
 
-def onednn_fp32_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+PACK_ROWS = 16  # oneDNN weight layout chosen for 16-row inputs: fastest for 1-64 rows here
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None, onednn: bool = False) -> Tensor:
-    """`F.linear`, or oneDNN's inner product for fp32 CPU inputs.
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-    Why: torch sends fp32 matmuls to MKL sgemm, which on this AMD CPU runs its slower
-    kernels (with or without MKL_CBWR): one-token decode reads the weights at ~19 GB/s, but
-    2-8 rows cost 1.5-2x one row (verify should cost about one decode step), and large row
-    counts reach ~85 GFLOP/s per core. oneDNN (the library torch already uses for bf16
-    matmuls) is faster at every row count measured, 1 to 2048 rows: ~1.2x at one row,
-    ~1.6x at 2-8 rows, ~2x from 16 rows on (prefill). Results agree with F.linear to fp32
-    rounding.
+
+def onednn_available() -> bool:
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+            and hasattr(ops, "_reorder_linear_weight"))  # fmt: skip
+
+
+def pack_weight(w: Tensor) -> Tensor:
+    """An fp32/bf16 [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """`F.linear`, or oneDNN's inner product when `w` is packed (`pack_weight`).
+
+    Why: a decode step is bound by reading the weights, so verifying k tokens should cost
+    about one decode step. torch sends fp32 matmuls to MKL sgemm, which on this AMD CPU runs
+    its slower kernels (with or without MKL_CBWR): 2-8 rows cost 1.5-2x one row, and big row
+    counts reach ~85 GFLOP/s per core. oneDNN on a weight packed once is faster at every row
+    count measured (lm_head, one core: 1 row 3.1 vs 6.8 ms, 2 rows 3.4 vs 16, 8 rows 4.7 vs
+    15; ~2x at 512-2048 rows) and agrees with F.linear to fp32 rounding. bf16 matmuls already
+    run in oneDNN, but re-lay the weight out on every call: packed once they take half the
+    time at 1-8 rows, with identical results.
     """
-    if onednn and x.dtype == torch.float32:
+    if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
 
@@ -125,7 +139,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Llama:
     """Llama-family decoder running on weights taken from an HF model."""
 
-    def __init__(self, hf_model, dtype: torch.dtype | str | None = None):
+    def __init__(
+        self, hf_model, dtype: torch.dtype | str | None = None, onednn: bool | None = None
+    ):
         cfg = hf_model.config
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -167,8 +183,18 @@ class Llama:
         self.lm_head = self.embed if lm is m.embed_tokens.weight else cv(lm)
         self.device = dev
         self._cos = self._sin = torch.empty(0)
-        # oneDNN for fp32 matmuls on CPU (see `linear`); False = plain F.linear
-        self.onednn = dev.type == "cpu" and dtype == torch.float32 and onednn_fp32_available()
+        # fp32/bf16 on CPU: matmuls on packed weights through oneDNN (see `linear`); default on
+        fits = dev.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
+        self.onednn = fits if onednn is None else bool(onednn and fits)
+        self.head = self.lm_head  # the weight the logits use (packed or `lm_head` itself)
+        if self.onednn:
+            for L in self.layers:
+                L.wqkv, L.wo, L.w13, L.w2 = map(pack_weight, (L.wqkv, L.wo, L.w13, L.w2))
+            self.head = pack_weight(self.lm_head)
+
+    def logits_of(self, h: Tensor) -> Tensor:
+        """Logits of pre-norm hidden states h [..., dim] (final norm, then lm_head)."""
+        return linear(rms_norm(h, self.norm, self.eps), self.head)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.allocate(self.n_layers, batch, self.n_kv, max_len, self.head_dim,
@@ -237,12 +263,11 @@ class Llama:
 
         bidx = torch.arange(B, device=dev)[:, None].expand(B, k)
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        od = self.onednn
         h = F.embedding(tokens, self.embed)
         hidden = {-1: h} if -1 in hidden_layers else {}
         for i, L in enumerate(self.layers):
             x = rms_norm(h, L.ln1, self.eps)
-            qkv = linear(x, L.wqkv, L.bqkv, od)
+            qkv = linear(x, L.wqkv, L.bqkv)
             q, kk, vv = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
             q = apply_rope(q.view(B, k, H, D), cos, sin)
             kk = apply_rope(kk.view(B, k, Hkv, D), cos, sin)
@@ -254,10 +279,10 @@ class Llama:
                 q, cache.k[i, :, :, :S], cache.v[i, :, :, :S], attn_mask=mask
             )
             o = o.view(B, Hkv, G, k, D).permute(0, 3, 1, 2, 4).reshape(B, k, H * D)
-            h = h + linear(o, L.wo, None, od)
+            h = h + linear(o, L.wo)
             x = rms_norm(h, L.ln2, self.eps)
-            gate, up = linear(x, L.w13, None, od).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, L.w2, None, od)
+            gate, up = linear(x, L.w13).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, L.w2)
             if i in hidden_layers:
                 hidden[i] = h
         if advance:
@@ -266,9 +291,9 @@ class Llama:
         if logits == "last":
             last = (k - 1) if n_valid is None else (n_valid - 1).clamp(min=0)
             x = h[torch.arange(B, device=dev), last] if n_valid is not None else h[:, last]
-            out.logits = linear(rms_norm(x, self.norm, self.eps), self.lm_head, None, od)
+            out.logits = self.logits_of(x)
         elif logits == "all":
-            out.logits = linear(rms_norm(h, self.norm, self.eps), self.lm_head, None, od)
+            out.logits = self.logits_of(h)
         return out
 
     __call__ = forward

@@ -35,7 +35,7 @@ import torch
 
 from workbench.errors import WorkbenchError
 from workbench.layers import CANONICAL, LayerConventionError, LayerIds, validate
-from workbench.llama import Llama, linear, rms_norm
+from workbench.llama import Llama
 
 CONFIGURED_WINS, SHIFTED_WINS, INCONCLUSIVE = "configured_wins", "shifted_wins", "inconclusive"
 
@@ -96,8 +96,7 @@ def target_argmax(llm: Llama, final_hidden: torch.Tensor, chunk: int = 256) -> t
     """Greedy next token of every row of final_hidden [T, H] (logits a chunk at a time)."""
     out = []
     for a in range(0, final_hidden.shape[0], chunk):
-        x = rms_norm(final_hidden[a : a + chunk], llm.norm, llm.eps)
-        out.append(linear(x, llm.lm_head, None, llm.onednn).argmax(-1))
+        out.append(llm.logits_of(final_hidden[a : a + chunk]).argmax(-1))
     return torch.cat(out)
 
 
