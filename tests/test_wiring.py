@@ -169,6 +169,7 @@ def test_wiring_candidates_drop_out_of_range_and_duplicates():
 
 def test_response_scored_and_paired_bootstrap():
     assert response_scored([0, 0, 0, 1, 1]) == [False, True, True, False, False]
+    assert response_scored([0, 0, 0, 1, 1], all_tokens=True) == [True, True, True, False, False]
     import numpy as np
 
     num = np.array([[1.0, 2.0, 3.0], [2.0, 3.0, 4.0]])

@@ -51,9 +51,10 @@ class TFSequence:
     source: str = ""  # "held-out <capture sample>" | "continuation <prompt id>"
 
 
-def response_scored(loss_mask: Sequence[bool | int]) -> list[bool]:
-    """scored[t] = loss_mask[t + 2] (the training loss mask of step 0)."""
-    m = [bool(x) for x in loss_mask]
+def response_scored(loss_mask: Sequence[bool | int], all_tokens: bool = False) -> list[bool]:
+    """scored[t] = loss_mask[t + 2] (the training loss mask of step 0); `all_tokens` scores
+    every position with a token at t + 2 (a draft trained with `loss_on="all"`)."""
+    m = [bool(x) or all_tokens for x in loss_mask]
     return [m[t + 2] if t + 2 < len(m) else False for t in range(len(m))]
 
 
@@ -345,13 +346,15 @@ def heldout_sequences(
 ) -> list[TFSequence]:
     """The capture's held-out split as the training run drew it (its seed, val fraction and
     prompt groups; the defaults of `TrainConfig` where the provenance does not say), up to
-    `max_tokens` tokens, each sample truncated to `max_len`."""
+    `max_tokens` tokens, each sample truncated to `max_len`. Scored: the positions the run's
+    loss covered (assistant tokens, or all with `loss_on="all"`)."""
     from workbench.capture import CaptureReader
     from workbench.draft.data import split_indices
     from workbench.draft.train import TrainConfig
 
     reader = capture if isinstance(capture, CaptureReader) else CaptureReader(capture, False)
     cfg, dflt = dict(training or {}), TrainConfig()
+    every = cfg.get("loss_on", dflt.loss_on) == "all"
     _, val = split_indices(len(reader), float(cfg.get("val_fraction", dflt.val_fraction)),
                            int(cfg.get("val_max_samples", dflt.val_max_samples)),
                            int(cfg.get("seed", dflt.seed)), reader.manifest.get("groups"))  # fmt: skip
@@ -359,8 +362,8 @@ def heldout_sequences(
     for i in val:
         s = reader[i]
         ids = s["input_ids"][:max_len].tolist()
-        out.append(TFSequence(ids, response_scored(s["loss_mask"][:max_len].tolist()),
-                              f"held-out {i}"))  # fmt: skip
+        mask = s["loss_mask"][:max_len].tolist()
+        out.append(TFSequence(ids, response_scored(mask, every), f"held-out {i}"))
         total += len(ids)
         if total >= max_tokens:
             break
@@ -368,10 +371,14 @@ def heldout_sequences(
 
 
 def continuation_sequences(
-    llm: Llama, tokenizer: Any, prompts: Sequence[Any], max_new_tokens: int = 64
+    llm: Llama,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    max_new_tokens: int = 64,
+    all_tokens: bool = False,
 ) -> list[TFSequence]:
     """The target's greedy continuation of each prompt's first turn (chat template); the
-    continuation is scored."""
+    continuation is scored (with `all_tokens`, the prompt too)."""
     from workbench.data import eos_ids, prompt_ids
     from workbench.generate import generate_batch
 
@@ -381,7 +388,8 @@ def continuation_sequences(
     seqs = []
     for p, h, o in zip(prompts, heads, outs, strict=True):
         mask = [False] * len(h) + [True] * len(o)
-        seqs.append(TFSequence(h + list(o), response_scored(mask), f"continuation {p.id}"))
+        scored = response_scored(mask, all_tokens)
+        seqs.append(TFSequence(h + list(o), scored, f"continuation {p.id}"))
     return seqs
 
 
@@ -416,7 +424,7 @@ def audit_sequences(
 ) -> list[TFSequence]:
     """The audit's text for a loaded draft (`draft.load.LoadedDraft`): its capture's held-out
     split as its training run drew it + greedy continuations of `eval_prompts` MT-bench first
-    turns."""
+    turns, scored where its training loss was (see `heldout_sequences`)."""
     from workbench.capture import CaptureReader
 
     reader = CaptureReader(find_capture(loaded, capture), verify=False)
@@ -426,7 +434,8 @@ def audit_sequences(
         from workbench.data import load_mtbench
 
         prompts = load_mtbench()[:eval_prompts]
-        seqs += continuation_sequences(llm, tokenizer, prompts, max_new_tokens)
+        every = (training or {}).get("loss_on") == "all"
+        seqs += continuation_sequences(llm, tokenizer, prompts, max_new_tokens, every)
     return seqs
 
 
