@@ -14,10 +14,11 @@ Verdicts: `configured_wins` (every alternative's CI lies below 0), `shifted_wins
 alternative's CI lies above 0: the draft was trained on other layers than configured),
 `inconclusive` (otherwise, fewer than `min_sequences` sequences, or a draft whose step-0
 acceptance is below `min_accept` under every wiring: an untrained draft's log-probs differ
-between wirings too, by accident). The decision uses the
-log-probability (continuous, far more sensitive than acceptance); acceptance is reported too.
-Sequences: the capture's held-out split (what the draft never trained on) and the target's
-greedy continuations of eval prompts.
+between wirings too, by accident). The decision uses the log-probability (continuous, far
+more sensitive than acceptance); acceptance is reported too. Sequences: the capture's
+held-out split (what the draft never trained on) and the target's greedy continuations of
+eval prompts, scored where the draft's training loss was (assistant tokens, or all tokens).
+`decisiveness` says what a verdict needed (positions, CI width, margin).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ CONFIGURED_WINS, SHIFTED_WINS, INCONCLUSIVE = "configured_wins", "shifted_wins",
 class TFSequence:
     """Token ids and which draft positions are scored: position t (the draft reads token t+1
     and the aux states of t) predicts the target's greedy token after t+1; it is scored when
-    token t+2 is response text (assistant turn / generated continuation)."""
+    token t+2 is text the draft was trained to predict (see `response_scored`)."""
 
     ids: list[int]
     scored: list[bool]  # len(ids): scored[t] for the draft position t
