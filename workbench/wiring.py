@@ -17,7 +17,7 @@ acceptance is below `min_accept` under every wiring: an untrained draft's log-pr
 between wirings too, by accident). The decision uses the log-probability (continuous, far
 more sensitive than acceptance); acceptance is reported too. Sequences: the capture's
 held-out split (what the draft never trained on) and the target's greedy continuations of
-eval prompts, scored where the draft's training loss was (assistant tokens, or all tokens).
+eval prompts, every position scored.
 `decisiveness` says what a verdict needed (positions, CI width, margin).
 """
 
@@ -54,7 +54,7 @@ class TFSequence:
 
 def response_scored(loss_mask: Sequence[bool | int], all_tokens: bool = False) -> list[bool]:
     """scored[t] = loss_mask[t + 2] (the training loss mask of step 0); `all_tokens` scores
-    every position with a token at t + 2 (a draft trained with `loss_on="all"`)."""
+    every position with a token at t + 2."""
     m = [bool(x) or all_tokens for x in loss_mask]
     return [m[t + 2] if t + 2 < len(m) else False for t in range(len(m))]
 
@@ -344,18 +344,20 @@ def heldout_sequences(
     *,
     max_tokens: int = 6000,
     max_len: int = 1024,
+    all_tokens: bool = True,
 ) -> list[TFSequence]:
     """The capture's held-out split as the training run drew it (its seed, val fraction and
     prompt groups; the defaults of `TrainConfig` where the provenance does not say), up to
-    `max_tokens` tokens, each sample truncated to `max_len`. Scored: the positions the run's
-    loss covered (assistant tokens, or all with `loss_on="all"`)."""
+    `max_tokens` tokens, each sample truncated to `max_len`. Scored: every position
+    (`all_tokens`, the default), else the assistant tokens only. Every position is a fair
+    paired measurement, also where the loss did not reach: all wirings see the same text, and
+    positions where the wiring makes no difference add nothing to either side."""
     from workbench.capture import CaptureReader
     from workbench.draft.data import split_indices
     from workbench.draft.train import TrainConfig
 
     reader = capture if isinstance(capture, CaptureReader) else CaptureReader(capture, False)
     cfg, dflt = dict(training or {}), TrainConfig()
-    every = cfg.get("loss_on", dflt.loss_on) == "all"
     _, val = split_indices(len(reader), float(cfg.get("val_fraction", dflt.val_fraction)),
                            int(cfg.get("val_max_samples", dflt.val_max_samples)),
                            int(cfg.get("seed", dflt.seed)), reader.manifest.get("groups"))  # fmt: skip
@@ -364,7 +366,7 @@ def heldout_sequences(
         s = reader[i]
         ids = s["input_ids"][:max_len].tolist()
         mask = s["loss_mask"][:max_len].tolist()
-        out.append(TFSequence(ids, response_scored(mask, every), f"held-out {i}"))
+        out.append(TFSequence(ids, response_scored(mask, all_tokens), f"held-out {i}"))
         total += len(ids)
         if total >= max_tokens:
             break
@@ -376,10 +378,10 @@ def continuation_sequences(
     tokenizer: Any,
     prompts: Sequence[Any],
     max_new_tokens: int = 64,
-    all_tokens: bool = False,
+    all_tokens: bool = True,
 ) -> list[TFSequence]:
     """The target's greedy continuation of each prompt's first turn (chat template); the
-    continuation is scored (with `all_tokens`, the prompt too)."""
+    continuation is scored, and with `all_tokens` (default) the prompt too."""
     from workbench.data import eos_ids, prompt_ids
     from workbench.generate import generate_batch
 
@@ -422,21 +424,21 @@ def audit_sequences(
     eval_prompts: int = 8,
     max_new_tokens: int = 48,
     max_tokens: int = 6000,
+    all_tokens: bool = True,
 ) -> list[TFSequence]:
     """The audit's text for a loaded draft (`draft.load.LoadedDraft`): its capture's held-out
     split as its training run drew it + greedy continuations of `eval_prompts` MT-bench first
-    turns, scored where its training loss was (see `heldout_sequences`)."""
+    turns, every position scored (`all_tokens=False`: the responses only)."""
     from workbench.capture import CaptureReader
 
     reader = CaptureReader(find_capture(loaded, capture), verify=False)
     training = ((loaded.provenance or {}).get("training") or {}).get("config")
-    seqs = heldout_sequences(reader, training, max_tokens=max_tokens)
+    seqs = heldout_sequences(reader, training, max_tokens=max_tokens, all_tokens=all_tokens)
     if eval_prompts:
         from workbench.data import load_mtbench
 
         prompts = load_mtbench()[:eval_prompts]
-        every = (training or {}).get("loss_on") == "all"
-        seqs += continuation_sequences(llm, tokenizer, prompts, max_new_tokens, every)
+        seqs += continuation_sequences(llm, tokenizer, prompts, max_new_tokens, all_tokens)
     return seqs
 
 
