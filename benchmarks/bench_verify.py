@@ -8,8 +8,14 @@ both fp32 and bf16 this times exactly those two calls of `workbench.llama.Llama`
 noise from other processes on a shared machine hits every k alike. Ratios are
 median(k-token verify) / median(one-token decode).
 
+On a machine other processes keep busy, wall times measure scheduler slices more than the
+model (a 2-thread op waits for a slice at every step): `--threads 1 --clock cpu` times the
+process's CPU time instead, which stays close to a quiet machine's one-core figures.
+`--compare` adds the unpacked weights on plain F.linear (the path before oneDNN packing).
+
 Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...`.
-Run: `python benchmarks/bench_verify.py [--repeats 15] [--threads N] [--target smollm2-135m]`.
+Run: `python benchmarks/bench_verify.py [--repeats 15] [--threads N] [--clock wall|cpu]
+[--compare] [--target smollm2-135m]`.
 """
 
 from __future__ import annotations
