@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from workbench.errors import WorkbenchError
     from workbench.experiments.steps import (
         adaptive_line,
+        drift_warning,
         format_table,
         result_line,
         run_step_sweep,
@@ -87,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
                       ("draft_coef", "verify_coef", "extend_coef")}))  # fmt: skip
     print("\n" + format_table(rep) + "\n(* = calibration config the model was fitted on)")
     print(adaptive_line(rep))
+    if warn := drift_warning(rep):
+        print(warn)
     print(result_line(rep))
     return 0
 

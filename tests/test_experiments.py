@@ -312,7 +312,8 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
     by = {r["label"]: r for r in rows}
     assert by["2/1/3@2"]["status"] == "failed" and "batch 1" in by["2/1/3@2"]["error"]
     ok = [r for r in rows if r["status"] == "ok"]
-    assert len(ok) == len(cfgs) - 1
+    assert len(ok) == len(cfgs) - 1 + 1  # the failed one out, the baseline's repeat in
+    assert rows[-1]["label"] == "plain@1 (again, end)"  # the drift check comes last
     for r in ok:
         res = r["result"]
         assert res["decode_tokens"] == sum(map(sum, res["accepted"]))
@@ -326,7 +327,9 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
     # an untrained draft accepts (almost) nothing: every speculative config is slower than
     # plain decoding, measured and predicted
     assert rep["best"] == "plain" and rep["predicted"] == "plain" and rep["best_gap"] == 0.0
-    assert len(rep["table"]) == len(ok) and -1.0 <= rep["rank_corr"] <= 1.0
+    assert len(rep["table"]) == len(ok) - 1 and -1.0 <= rep["rank_corr"] <= 1.0
+    again = rows[-1]["result"]["tok_s"] / by["plain@1"]["result"]["tok_s"] - 1
+    assert rep["drift"] == {1: pytest.approx(again)}
     t = {x["config"]: x for x in rep["table"]}
     assert t["plain"]["predicted_tok_s"] == pytest.approx(t["plain"]["measured_tok_s"])
     assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
@@ -471,4 +474,5 @@ def test_cli_sweep_runs_the_engine_and_prints_the_result(tiny_target, tiny_targe
     assert r.exit_code == 0, r.output
     last = r.output.strip().splitlines()[-1]
     assert last.startswith("RESULT configs=3 best=") and "rank_corr=" in last
-    assert len(read_results(tmp_path / "s" / RESULTS)) == 3
+    assert len(read_results(tmp_path / "s" / RESULTS)) == 4  # + the baseline again (drift)
+    assert " drift=" in last

@@ -52,7 +52,8 @@ def test_notebook_05_sweeps_models_and_records(tiny_target, tiny_target_dir, tmp
     assert rec["step_sweep_configs"] == 5 and rec["step_sweep_failed"] == 0
     assert 0.0 <= rec["step_best_gap"] < 1.0 and -1.0 <= rec["step_rank_corr"] <= 1.0
     rows = (sweep / "results.jsonl").read_text().splitlines()
-    assert len(rows) == 5
+    assert len(rows) == 6  # + the baseline measured again at the end (drift check)
+    assert "step_drift" in rec
     # a rerun resumes: nothing is measured again, the results file is unchanged
     _run("05_step_sweep.ipynb", tmp_path, monkeypatch, params)
     assert (sweep / "results.jsonl").read_text().splitlines() == rows

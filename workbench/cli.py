@@ -594,7 +594,12 @@ def sweep(
     out: str = typer.Option("", help="sweep folder (resumable); empty: under $WORKBENCH_HOME"),
 ) -> None:
     """Step-count sweep (resumable; the baseline always included) + the cost model's pick."""
-    from workbench.experiments.steps import format_table, result_line, run_step_sweep
+    from workbench.experiments.steps import (
+        drift_warning,
+        format_table,
+        result_line,
+        run_step_sweep,
+    )
     from workbench.pipeline import default_draft_dir
 
     def ints(text: str) -> list[int]:
@@ -616,6 +621,8 @@ def sweep(
     if res["report"] is None:
         _fail(f"no cost model: {res['model_error']}")
     typer.echo(format_table(res["report"]))
+    if warn := drift_warning(res["report"]):
+        typer.echo(warn)
     typer.echo(result_line(res["report"]))
 
 

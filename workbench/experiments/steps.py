@@ -45,6 +45,11 @@ def is_spec(config: dict[str, Any]) -> bool:
     return bool(config.get("spec", True)) and "num_steps" in config
 
 
+def is_repeat(config: dict[str, Any]) -> bool:
+    """A baseline measured again at the end of the sweep (the drift check), not a config."""
+    return bool(config.get("repeat"))
+
+
 def short(config: dict[str, Any]) -> str:
     """`s/k/n` for RESULT lines (`plain` for the baseline), batch left out when 1."""
     b = int(config.get("batch_size", 1))
@@ -144,7 +149,7 @@ def fit_cost_model(
 
     `acceptance`: chain per-position acceptance from elsewhere (offline inspection); by
     default it is read from the deepest measured chain among the fit rows."""
-    ok = [r for r in rows if r["status"] == "ok"]
+    ok = [r for r in rows if r["status"] == "ok" and not is_repeat(r["config"])]
     fit = [r for r in ok if fit_keys is None or r["key"] in set(fit_keys)]
     spec = [r for r in fit if is_spec(r["config"])]
     if not spec:
@@ -229,8 +234,12 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def evaluate(rows: Sequence[dict[str, Any]], model: CostModel) -> dict[str, Any]:
-    """Predicted vs measured for every ok row; the predicted and measured best; the scores."""
-    ok = [r for r in rows if r["status"] == "ok"]
+    """Predicted vs measured for every ok row; the predicted and measured best; the scores;
+    `drift`: the baseline's tok/s measured again at the end over the first measurement, - 1
+    (per batch size): the machine's own change during the sweep, which the errors include."""
+    ok = [r for r in rows if r["status"] == "ok" and not is_repeat(r["config"])]
+    again = {int(r["config"].get("batch_size", 1)): r["result"]["tok_s"]
+             for r in rows if r["status"] == "ok" and is_repeat(r["config"])}  # fmt: skip
     if not ok:
         raise ModelError("no successful config to compare against")
     fit = set(model.fit_keys)
@@ -269,6 +278,7 @@ def evaluate(rows: Sequence[dict[str, Any]], model: CostModel) -> dict[str, Any]
         if held
         else None,
         "model": model.to_dict(),
+        "drift": {b: again[b] / base[b] - 1.0 for b in again if b in base},
     }
     out["adaptive"] = compare_adaptive(out, model)
     return out
@@ -335,10 +345,24 @@ def compare_adaptive(
 
 
 def result_line(report: dict[str, Any]) -> str:
+    drift = max(report["drift"].values(), key=abs) if report.get("drift") else None
     return (
         f"RESULT configs={len(report['table'])} best={report['best']} "
         f"predicted={report['predicted']} best_gap={report['best_gap']:.3f} "
         f"rank_corr={report['rank_corr']:.3f} mean_abs_error={report['mean_abs_error']:.3f}"
+        + (f" drift={drift:+.3f}" if drift is not None else "")
+    )
+
+
+def drift_warning(report: dict[str, Any], limit: float = 0.05) -> str | None:
+    """A warning when the machine's speed changed by more than `limit` during the sweep."""
+    worst = max(report.get("drift", {}).values(), key=abs, default=0.0)
+    if abs(worst) <= limit:
+        return None
+    return (
+        f"warning: plain decoding measured {worst:+.1%} at the end vs the start of the sweep: "
+        "the machine's speed changed (other load?), so measured tok/s of later configs, and "
+        "the model's errors, include that drift; rerun on a quiet machine"
     )
 
 
@@ -375,13 +399,14 @@ def step_sweep(
     acceptance: Sequence[float] | None = None,
     workload: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Measure the calibration configs first, then the rest (one resumable sweep folder);
-    fit on the calibration, predict every config. Returns (rows, report or None when no
+    """Measure the calibration configs first, then the rest, then the baseline again (the
+    drift check), in one resumable sweep folder; fit on the calibration, predict every config. Returns (rows, report or None when no
     speculative config succeeded)."""
     from workbench.experiments.sweep import run_sweep
 
     calib = pick_calibration(configs, calibration)
-    ordered = calib + [c for c in configs if c not in calib]
+    again = [{**c, "repeat": "end"} for c in configs if not is_spec(c)]  # the drift check
+    ordered = calib + [c for c in configs if c not in calib] + again
     rows = run_sweep(ordered, backend, out_dir, progress=progress, desc="step sweep",
                      workload=workload)  # fmt: skip
     ok_keys = {r["key"] for r in rows if r["status"] == "ok"}

@@ -72,6 +72,8 @@ def label(config: dict[str, Any]) -> str:
         out = ""
     if "batch_size" in config:
         out += f"@{config['batch_size']}"
+    if config.get("repeat"):
+        out += f" (again, {config['repeat']})"
     env = config.get("env") or {}
     extra = [f"{k}={v}" for k, v in sorted(env.items())] + list(config.get("flags") or [])
     return " ".join([out] * bool(out) + extra) or "default"
