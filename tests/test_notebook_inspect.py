@@ -61,6 +61,7 @@ def test_notebook_03_inspects_audits_and_records(
         "accept_pos0",
         "audit_verdict",
         "best_wiring",
+        "tf_wiring_verdict",
         "best_speedup",
         "best_speedup_config",
         "served_config",
@@ -82,6 +83,7 @@ def test_notebook_03_inspects_audits_and_records(
         "shifted wiring wins",
         "inconclusive",
     )
+    assert rec["tf_wiring_verdict"] in ("configured_wins", "shifted_wins", "inconclusive")
 
 
 def test_notebook_03_declares_the_pipeline_parameters():
