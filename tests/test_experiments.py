@@ -208,7 +208,13 @@ def test_tree_tau_approximation():
         metrics.simulated_tau(a)
     )
     # independent siblings at depth 1 (2 tries) and depth 2 (2 tries): 1 - 0.4^2, 1 - 0.5^2
+    assert metrics.tree_depth_widths(3, 2, 6, a) == [2, 2, 1]
     assert wide == pytest.approx(metrics.simulated_tau([0.84, 0.75, 0.4]))
+    # nodes go where they pay: with weak deep positions, 5 nodes widen shallow depths instead
+    # of filling a 5-deep main line (what EAGLE's best-score selection does too)
+    weak = [0.25, 0.32, 0.32, 0.14, 0.0]
+    assert metrics.tree_depth_widths(5, 2, 6, weak, gamma=0.5) == [2, 2, 1]
+    assert metrics.simulated_tree_tau(weak, 5, 2, 6, 0.5) > metrics.simulated_tau(weak)
 
 
 def test_spearman():

@@ -115,18 +115,37 @@ def simulated_tau(a: Sequence[float]) -> float:
     return curve[-1] if curve else 1.0
 
 
-def tree_depth_widths(num_steps: int, topk: int, num_draft_tokens: int) -> list[int]:
-    """Approximate candidates per depth of an EAGLE tree of `num_draft_tokens - 1` nodes.
+def _depth_accept(a: Sequence[float], i: int, m: int, gamma: float) -> float:
+    """P(one of m candidates at depth i is the target's token): 1 - (1 - a_i)^(1 + gamma(m-1))."""
+    ai = min(max(float(a[min(i, len(a) - 1)]), 0.0), 1.0)
+    return 1.0 - (1.0 - ai) ** (1.0 + gamma * (m - 1))
 
-    The best-scoring nodes are kept; cumulative draft probability falls with depth, so the
-    main line (one node per depth, up to `num_steps` deep) comes first and the spare nodes
-    widen the shallowest depths to `topk` candidates each. A chain (topk 1) gives all 1s."""
-    depth = max(0, min(num_steps, num_draft_tokens - 1))
-    widths, spare = [1] * depth, num_draft_tokens - 1 - depth
-    for i in range(depth):
-        extra = min(topk - 1, spare)
-        widths[i] += extra
-        spare -= extra
+
+def _widths_tau(a: Sequence[float], widths: Sequence[int], gamma: float) -> float:
+    return simulated_tau([_depth_accept(a, i, m, gamma) for i, m in enumerate(widths)])
+
+
+def tree_depth_widths(
+    num_steps: int, topk: int, num_draft_tokens: int, a: Sequence[float] = (), gamma: float = 1.0
+) -> list[int]:
+    """Approximate candidates per depth (under the right parent) of an EAGLE tree.
+
+    EAGLE keeps the `num_draft_tokens - 1` best-scoring nodes; here each node goes where it
+    adds the most expected accepted tokens: one level deeper (up to `num_steps`) or one more
+    sibling at a depth (up to `topk`), greedily, ties going deeper. A chain (topk 1) is
+    `num_steps` deep with width 1."""
+    widths: list[int] = []
+    for _ in range(max(0, num_draft_tokens - 1)):
+        options = []
+        if len(widths) < num_steps:
+            options.append(widths + [1])
+        for i, m in enumerate(widths):
+            if m < topk:
+                options.append(widths[:i] + [m + 1] + widths[i + 1 :])
+        if not options:
+            break
+        # max keeps the first of equals: deeper wins ties; without a_i, main line first
+        widths = max(options, key=lambda w: _widths_tau(a, w, gamma)) if a else options[0]
     return widths
 
 
@@ -135,19 +154,15 @@ def simulated_tree_tau(
 ) -> float:
     """Approximate τ of a top-k tree from chain per-position acceptance a_i (bonus included).
 
-    Depth i holds m_i candidates (`tree_depth_widths`); it is accepted with probability
-    1 - (1 - a_i)^(1 + gamma (m_i - 1)). gamma = 1 treats siblings as independent tries (an
-    upper bound: siblings are the draft's 2nd, 3rd... guesses, worse than the first);
-    gamma < 1 discounts them and is fitted on measured tree configs. A chain gives
-    `simulated_tau(a[:num_steps])` exactly. Positions past len(a) are taken as a[-1]."""
-    widths = tree_depth_widths(num_steps, topk, num_draft_tokens)
+    Depth i holds m_i candidates (`tree_depth_widths`, the nodes placed where they pay most);
+    it is accepted with probability 1 - (1 - a_i)^(1 + gamma (m_i - 1)). gamma = 1 treats
+    siblings as independent tries (an upper bound: siblings are the draft's 2nd, 3rd...
+    guesses, worse than the first); gamma < 1 discounts them and is fitted on measured tree
+    configs. A chain gives `simulated_tau(a[:num_steps])` exactly. Positions past len(a)
+    are taken as a[-1]."""
     if not a:
         return 1.0
-    out = []
-    for i, m in enumerate(widths):
-        ai = min(max(float(a[min(i, len(a) - 1)]), 0.0), 1.0)
-        out.append(1.0 - (1.0 - ai) ** (1.0 + gamma * (m - 1)))
-    return simulated_tau(out)
+    return _widths_tau(a, tree_depth_widths(num_steps, topk, num_draft_tokens, a, gamma), gamma)
 
 
 def simulated_acc_len(a: Sequence[float]) -> float:
