@@ -23,7 +23,7 @@ from sglang_common import (
 )
 
 from workbench import metrics
-from workbench.serving import process, sglang
+from workbench.serving import client, process, sglang
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_per_request_accept_lengths_equal_the_local_engine(answers, reference):
     taus = []
     for ans, want in zip(answers, reference.meta, strict=True):
         m = ans["meta_info"]
-        assert sglang.identity_problems(m) == []
+        assert metrics.sglang_identity_problems(m) == []
         assert m["completion_tokens"] == want["completion_tokens"]
         assert m["spec_verify_ct"] == want["spec_verify_ct"]
         assert m["spec_accept_length"] == pytest.approx(
@@ -110,15 +110,15 @@ def _trim(hist: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_metrics_server_info_and_flush_cache(server, answers):
-    m = sglang.read_metrics(server.url)
+    m = client.get_metrics(server.url)
     verify = sum(a["meta_info"]["spec_verify_ct"] for a in answers)
     assert m["sglang:spec_verify_calls_total"] == verify
     # last-value gauges, set at SGLang's decode log points (every 40 batches): present only
     assert "sglang:spec_accept_length" in m and "sglang:spec_num_steps" in m
-    info = sglang.server_info(server.url)
+    info = client.get_server_info(server.url)
     assert info["speculative_algorithm"] == "EAGLE3"
     assert info["speculative_num_draft_tokens"] == CHAIN[2]
-    sglang.flush_cache(server.url)
+    client.flush_cache(server.url)
     assert process.is_healthy(server.url)
 
 

@@ -13,7 +13,7 @@ from sglang_common import (
     need_server_env,
 )
 
-from workbench.serving import process, sglang
+from workbench.serving import client, process, sglang
 
 pytestmark = pytest.mark.slow  # the real 135M target and a real SGLang server
 
@@ -50,6 +50,6 @@ def _check(server, ref):
         m = sglang.generate(server.url, prompt, MAX_NEW_TOKENS, temperature=0.0)["meta_info"]
         toks, secs = toks + m["completion_tokens"], secs + m["e2e_latency"]
     print(f"SGLang plain on CPU: {toks / secs:.2f} tok/s (batch 1, e2e)")
-    got = sglang.read_metrics(server.url)
+    got = client.get_metrics(server.url)
     assert got["sglang:generation_tokens_total"] == 2 * sum(len(t) for t in ref.plain)
     assert got.get("sglang:spec_verify_calls_total", 0.0) == 0.0

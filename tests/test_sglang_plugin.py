@@ -32,7 +32,7 @@ from sglang_common import (
 from workbench.engine.trace import CycleRecord, read_trace
 from workbench.errors import WorkbenchError
 from workbench.layers import LayerIds
-from workbench.serving import plugin, process, sglang
+from workbench.serving import client, plugin, process, sglang
 from workbench.serving.wiring_live import (
     live_wiring_check,
     looks_like,
@@ -99,11 +99,11 @@ def served(target, draft_dir, tmp_path_factory):
         t0 = time.perf_counter()
         seq = [sglang.generate(srv.url, p, NEW_TOKENS) for p in ids]
         secs = time.perf_counter() - t0
-        m_seq = sglang.read_metrics(srv.url)
+        m_seq = client.get_metrics(srv.url)
         n_seq = len(plugin.read_trace_dir(spec.trace_dir))
         with ThreadPoolExecutor(2) as ex:
             par = list(ex.map(lambda p: sglang.generate(srv.url, p, NEW_TOKENS), ids[:2]))
-        m_all = sglang.read_metrics(srv.url)
+        m_all = client.get_metrics(srv.url)
         toks = sum(a["meta_info"]["completion_tokens"] for a in seq)
         print(f"RESULT sglang_trace_plugin_on tok_per_s={toks / secs:.2f} (sequential, CPU)")
         yield dict(spec=spec, seq=seq, par=par, m_seq=m_seq, n_seq=n_seq, m_all=m_all)

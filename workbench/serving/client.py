@@ -150,12 +150,17 @@ def load_tokenizer(target: str):
 
 
 def get_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """`GET /metrics` (Prometheus text) → metric name → value summed over labels."""
     r = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout)
-    r.raise_for_status()
+    if r.status_code != 200:
+        raise LoadError(
+            f"{url}/metrics answered {r.status_code}: start SGLang with --enable-metrics"
+        )
     return prom.parse(r.text)
 
 
 def get_server_info(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """`GET /server_info`: the server's args and `internal_states[i].avg_spec_accept_length`."""
     base = url.rstrip("/")
     r = httpx.get(base + "/server_info", timeout=timeout)
     if r.status_code == 404:  # older SGLang releases
@@ -167,6 +172,13 @@ def get_server_info(url: str, timeout: float = 10.0) -> dict[str, Any]:
 def flush_cache(url: str, timeout: float = 30.0) -> None:
     """SGLang's `/flush_cache` (runs only when the server is idle; resets its averages)."""
     httpx.post(url.rstrip("/") + "/flush_cache", timeout=timeout).raise_for_status()
+
+
+def avg_spec_accept_length(info: dict[str, Any]) -> float | None:
+    """SGLang's cumulative accept length since the last /flush_cache (None without spec)."""
+    states = info.get("internal_states") or [{}]
+    v = states[0].get("avg_spec_accept_length")
+    return None if v is None else float(v)
 
 
 def healthy(url: str, timeout: float = 5.0) -> bool:

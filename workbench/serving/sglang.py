@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench import metrics
 from workbench.errors import WorkbenchError
 from workbench.serving import process
 from workbench.serving.process import LOOPBACK, Server, ServerError
@@ -433,39 +432,3 @@ def generate(
     if return_hidden_states:
         body["return_hidden_states"] = True
     return _json(url.rstrip("/") + "/generate", body, timeout)
-
-
-def server_info(url: str, timeout: float = 30.0) -> dict:
-    """`GET /server_info` (`internal_states[i].avg_spec_accept_length`, the server args, ...)."""
-    return _json(url.rstrip("/") + "/server_info", timeout=timeout)
-
-
-def avg_spec_accept_length(info: dict) -> float | None:
-    """SGLang's cumulative accept length since the last /flush_cache (None without spec)."""
-    states = info.get("internal_states") or [{}]
-    v = states[0].get("avg_spec_accept_length")
-    return None if v is None else float(v)
-
-
-def read_metrics(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """`GET /metrics` (Prometheus text, `--enable-metrics`) → name → value summed over labels."""
-    from workbench.serving import prom
-
-    status, body = process.http_get(url.rstrip("/") + "/metrics", timeout=timeout)
-    if status != 200:
-        raise ServerError(f"{url}/metrics answered {status}: start SGLang with --enable-metrics")
-    return prom.parse(body.decode())
-
-
-def flush_cache(url: str, timeout: float = 60.0) -> None:
-    """`POST /flush_cache`: resets the radix cache and the accept-length averages (SGLang runs
-    it only when idle; a busy server answers non-200 and this raises)."""
-    req = urllib.request.Request(url.rstrip("/") + "/flush_cache", data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        if r.status != 200:
-            raise ServerError(f"{url}/flush_cache answered {r.status}")
-
-
-def identity_problems(meta_info: dict) -> list[str]:
-    """SGLang's per-request identities that fail (metrics.sglang_identity_problems)."""
-    return metrics.sglang_identity_problems(meta_info)
