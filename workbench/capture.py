@@ -39,6 +39,7 @@ from workbench.fsutil import (
     sha256_file,
 )
 from workbench.layers import CANONICAL, LayerConventionError, LayerIds, validate
+from workbench.normstats import hist_edges, merge_stats, norm_stats
 from workbench.provenance import git_facts, package_versions
 
 FORMAT_VERSION = 1
@@ -48,7 +49,6 @@ HASHES_FILE = "hashes.json"
 # Shards from before layer ids were recorded hold only "workbench_norm_stats".
 _META = "workbench"
 _META_OLD_STATS = "workbench_norm_stats"
-_HIST_EDGES = torch.logspace(-2, 5, 141)  # token-norm histogram bins (0.01 .. 1e5)
 
 
 class CaptureError(WorkbenchError):
@@ -154,58 +154,6 @@ def forward_aux(
     return [(aux[b, : len(x)].cpu(), last[b, : len(x)].cpu()) for b, x in enumerate(batch_ids)]
 
 
-# ---------------------------------------------------------------- norm statistics
-
-
-def _norm_stats(x: torch.Tensor) -> dict:
-    """Mergeable per-token L2-norm statistics of x [T, H] (fp32 sums + histogram)."""
-    n = x.float().norm(dim=-1)
-    hist = torch.histogram(n.clamp(_HIST_EDGES[0], _HIST_EDGES[-1]), bins=_HIST_EDGES).hist
-    return {
-        "count": int(n.numel()),
-        "sum": float(n.sum()),
-        "sumsq": float((n * n).sum()),
-        "min": float(n.min()) if n.numel() else None,
-        "max": float(n.max()) if n.numel() else None,
-        "hist": [int(v) for v in hist.tolist()],
-    }
-
-
-def _merge_stats(parts: list[dict]) -> dict:
-    parts = [p for p in parts if p["count"]]
-    count = sum(p["count"] for p in parts)
-    if not count:
-        return {"count": 0}
-    s = sum(p["sum"] for p in parts)
-    ss = sum(p["sumsq"] for p in parts)
-    mean = s / count
-    hist = [sum(col) for col in zip(*(p["hist"] for p in parts), strict=True)]
-    return {
-        "count": count,
-        "mean": mean,
-        "std": max(ss / count - mean * mean, 0.0) ** 0.5,
-        "min": min(p["min"] for p in parts),
-        "max": max(p["max"] for p in parts),
-        "p05": _hist_quantile(hist, 0.05),
-        "p50": _hist_quantile(hist, 0.5),
-        "p95": _hist_quantile(hist, 0.95),
-        "hist": hist,
-    }
-
-
-def _hist_quantile(hist: list[int], q: float) -> float:
-    total, acc = sum(hist), 0
-    for i, c in enumerate(hist):
-        acc += c
-        if acc >= q * total:
-            return float((_HIST_EDGES[i] * _HIST_EDGES[i + 1]).sqrt())
-    return float(_HIST_EDGES[-1])
-
-
-def hist_edges() -> list[float]:
-    return [float(x) for x in _HIST_EDGES]
-
-
 # ---------------------------------------------------------------- writer
 
 
@@ -254,8 +202,8 @@ def write_shard(
     last = torch.cat([r[1] for r in results]).to(dtype)  # type: ignore[index]
     H = last.shape[-1]
     k = aux.shape[-1] // H
-    stats = {f"aux{j}": _norm_stats(aux[:, j * H : (j + 1) * H]) for j in range(k)}
-    stats["last"] = _norm_stats(last)
+    stats = {f"aux{j}": norm_stats(aux[:, j * H : (j + 1) * H]) for j in range(k)}
+    stats["last"] = norm_stats(last)
     tensors = {
         "input_ids": ids,
         "loss_mask": mask,
@@ -363,10 +311,10 @@ def _capture(
         for name, st in read_shard_stats(out / e["file"]).items():
             stats_parts.setdefault(name, []).append(st)
     names = [f"aux{j}" for j in range(len(layer_ids.ids))]
-    norm_stats = {"bin_edges": hist_edges(), "layers": {}}
+    layer_stats = {"bin_edges": hist_edges(), "layers": {}}
     for j, name in enumerate(names):
-        norm_stats["layers"][str(layer_ids.ids[j])] = {"slot": j, **_merge_stats(stats_parts[name])}
-    norm_stats["last"] = {"layer": target.num_layers - 1, **_merge_stats(stats_parts["last"])}
+        layer_stats["layers"][str(layer_ids.ids[j])] = {"slot": j, **merge_stats(stats_parts[name])}
+    layer_stats["last"] = {"layer": target.num_layers - 1, **merge_stats(stats_parts["last"])}
     manifest = {
         "format_version": FORMAT_VERSION,
         "target": {k: v for k, v in target.describe().items() if k != "path"}
@@ -379,7 +327,7 @@ def _capture(
         "num_tokens": sum(e["num_tokens"] for e in entries),
         "num_loss_tokens": sum(e["num_loss_tokens"] for e in entries),
         "prompt_set": (prompt_set or {}) | {"data_hash": data_hash},
-        "norm_stats": norm_stats,
+        "norm_stats": layer_stats,
         "shards": entries,
         "groups": list(groups) if groups is not None else None,
         "capture_backend": rec.name,
