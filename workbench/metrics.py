@@ -187,6 +187,25 @@ def histogram_from_accepted(accepted: Sequence[int], num_draft: int) -> list[int
     return h
 
 
+def sglang_spec_meta(completion_tokens: int, accepted: Sequence[int], num_steps: int) -> dict:
+    """SGLang's per-request spec `meta_info` fields from per-cycle emitted counts (bonus in).
+
+    The engine and the local server report requests through this, so they compare 1:1 with a
+    real SGLang server's `/generate` answers."""
+    vct = len(accepted)
+    hist = histogram_from_accepted(accepted, num_steps)
+    correct = sum(i * h for i, h in enumerate(hist))
+    proposed = vct * num_steps
+    return {
+        "spec_verify_ct": vct,
+        "spec_accept_length": tau_sglang(completion_tokens, vct),
+        "spec_accept_rate": correct / proposed if proposed else 0.0,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+        "spec_correct_drafts_histogram": hist,
+    }
+
+
 def sglang_identity_problems(meta: Mapping[str, Any], tol: float = 1e-3) -> list[str]:
     """Check one request's `meta_info` against SGLang's identities; [] when they hold.
 

@@ -156,12 +156,7 @@ class RequestStats:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "spec_verify_ct": self.verify_forwards,
-            "spec_accept_length": metrics.tau_sglang(self.completion_tokens, self.verify_forwards),
-            "spec_correct_drafts_histogram": metrics.histogram_from_accepted(
-                self.accepted, num_steps
-            ),
-            "spec_num_correct_drafts": sum(a - 1 for a in self.accepted),
+            **metrics.sglang_spec_meta(self.completion_tokens, self.accepted, num_steps),
         }
 
 

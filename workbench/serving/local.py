@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -137,17 +137,11 @@ def load_draft_model(path: str, target, dtype: str = "float32"):
     A draft trained on another target (fingerprint recorded at training/export) is refused."""
     import torch
 
-    try:
-        from workbench.draft.load import load_draft  # the consolidated loader, when present
-    except ImportError:
-        from workbench.draft.export import load_any
+    from workbench.draft.load import load_draft
 
-        draft, prov, _ = load_any(path)
-        ids = None
-    else:
-        # no target_model: the engine's check_draft fills the embeddings after the shape checks
-        loaded = load_draft(path, dtype=getattr(torch, dtype))
-        draft, prov, ids = loaded.draft, loaded.provenance or {}, loaded.layer_ids
+    # no target_model: the engine's check_draft fills the embeddings after the shape checks
+    loaded = load_draft(path, dtype=getattr(torch, dtype))
+    draft, prov, ids = loaded.draft, loaded.provenance, loaded.layer_ids
     prov = prov or {}
     fp = prov.get("target_fingerprint") or (prov.get("target") or {}).get("fingerprint")
     if fp and target.fingerprint and fp != target.fingerprint:
@@ -329,26 +323,10 @@ class LocalEngine:
                 else {"type": "length", "length": sp["max_new_tokens"]}
             )
             if self.speculative:
-                meta.update(self.spec_meta(len(out), st.accepted))
+                meta.update(metrics.sglang_spec_meta(len(out), st.accepted, self.params.num_steps))
         text = self.tokenizer.decode(out, skip_special_tokens=sp["skip_special_tokens"]) if (
             self.tokenizer is not None) else ""  # fmt: skip
         return {"text": text, "output_ids": list(out), "meta_info": meta}
-
-    def spec_meta(self, completion_tokens: int, accepted: Sequence[int]) -> dict[str, Any]:
-        """SGLang's per-request spec fields from the engine's per-cycle emitted counts."""
-        steps = self.params.num_steps
-        vct = len(accepted)
-        hist = metrics.histogram_from_accepted(accepted, steps)
-        correct = sum(i * h for i, h in enumerate(hist))
-        proposed = vct * steps
-        return {
-            "spec_verify_ct": vct,
-            "spec_accept_length": metrics.tau_sglang(completion_tokens, vct),
-            "spec_accept_rate": correct / proposed if proposed else 0.0,
-            "spec_num_correct_drafts": correct,
-            "spec_num_proposed_drafts": proposed,
-            "spec_correct_drafts_histogram": hist,
-        }
 
     def _account(self, meta: dict[str, Any], times: list[float], t_arrive: float) -> None:
         s = self.stats
