@@ -338,3 +338,9 @@ def test_cli_audit_exit_codes(trained, exported):
     bad = " ".join(_argv(exported, alg="EAGLE"))
     r = CliRunner().invoke(app, ["audit", "--draft", str(exported), "--serving", bad])
     assert r.exit_code == 1 and "EAGLE3" in r.output
+    r = CliRunner().invoke(
+        app, ["audit", "--draft", str(exported), "--capture", str(trained.cap / "missing")]
+    )
+    assert r.exit_code == 2 and "no capture manifest" in r.output
+    r = CliRunner().invoke(app, ["audit", "--draft", str(trained.cap / "nothing-here")])
+    assert r.exit_code == 2 and "not a draft" in r.output

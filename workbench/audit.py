@@ -77,7 +77,10 @@ def read_manifest(capture: Any) -> dict:
     if hasattr(capture, "manifest"):
         return capture.manifest
     p = Path(capture)
-    return json.loads((p / "manifest.json" if p.is_dir() else p).read_text())
+    f = p / "manifest.json" if p.is_dir() else p
+    if not f.is_file():
+        raise WorkbenchError(f"{f}: no capture manifest; give the capture directory of notebook 01")
+    return json.loads(f.read_text())
 
 
 @dataclass

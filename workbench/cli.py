@@ -194,34 +194,6 @@ def import_data(
         raise typer.Exit(1)
 
 
-def _check_parameter_files(files: list[str]) -> None:
-    """Each -f file must exist and hold a YAML mapping; say which file and where it breaks."""
-    from pathlib import Path
-
-    import yaml
-
-    for f in files:
-        try:
-            data = yaml.safe_load(Path(f).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise WorkbenchError(f"parameters file {f}: cannot read it ({e.strerror})") from e
-        except UnicodeDecodeError as e:
-            raise WorkbenchError(f"parameters file {f}: not UTF-8 text ({e.reason})") from e
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise WorkbenchError(
-                f"parameters file {f}: malformed YAML{where} ({problem}); "
-                "expected a mapping of NAME: VALUE lines"
-            ) from e
-        if data is not None and not isinstance(data, dict):
-            raise WorkbenchError(
-                f"parameters file {f}: must hold a mapping of NAME: VALUE, "
-                f"got a {type(data).__name__}"
-            )
-
-
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
     ctx: typer.Context,
@@ -257,7 +229,6 @@ def run(
         if flag not in ("-p", "--parameters") or len(extra) < 2:
             _fail(f"unexpected argument {flag!r}; parameters are given as -p NAME VALUE")
         pairs.append((extra.pop(0), extra.pop(0)))
-    _check_parameter_files(params_file)
     params = load_parameters(params_file, pairs)
     r = run_notebook(
         notebook,
@@ -440,10 +411,7 @@ def audit(
     from workbench.target import load_target
 
     tgt = load_target(target) if target else None
-    try:
-        findings = config_audit(draft, capture or None, serving or None, target=tgt)
-    except FileNotFoundError as e:  # a missing draft or capture path: not a WorkbenchError yet
-        _fail(str(e))
+    findings = config_audit(draft, capture or None, serving or None, target=tgt)
     typer.echo(format_findings(findings))
     bad_wiring = False
     if wiring:

@@ -35,16 +35,24 @@ def load_parameters(
     params: dict[str, Any] = {}
     for f in files or []:
         try:
-            data = yaml.safe_load(Path(f).read_text()) or {}
+            data = yaml.safe_load(Path(f).read_text(encoding="utf-8"))
         except OSError as e:
-            raise ParameterError(f"cannot read parameters file {f}: {e.strerror}") from e
+            raise ParameterError(f"parameters file {f}: cannot read it ({e.strerror})") from e
         except UnicodeDecodeError as e:
-            raise ParameterError(f"parameters file {f} is not UTF-8 text ({e.reason})") from e
+            raise ParameterError(f"parameters file {f}: not UTF-8 text ({e.reason})") from e
         except yaml.YAMLError as e:
-            raise ParameterError(f"parameters file {f} is not valid YAML: {e}") from e
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ParameterError(
+                f"parameters file {f}: malformed YAML{where} ({problem}); "
+                "expected a mapping of NAME: VALUE lines"
+            ) from e
+        data = {} if data is None else data
         if not isinstance(data, dict):
             raise ParameterError(
-                f"{f}: a parameters file must hold a mapping, got {type(data).__name__}"
+                f"parameters file {f}: must hold a mapping of NAME: VALUE, "
+                f"got a {type(data).__name__}"
             )
         params.update(data)
     for name, value in pairs or []:
