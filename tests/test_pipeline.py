@@ -22,3 +22,10 @@ def test_stages_match_their_notebooks(profile):
 def test_unknown_profile_names_the_known_ones():
     with pytest.raises(WorkbenchError, match="unknown pipeline profile 'fast'.*full.*quick"):
         stages("fast")
+
+
+def test_experiment_stages_are_opt_in_and_match_their_notebooks():
+    got = stages("quick", experiments=True)
+    assert [s.name for s in got] == ["capture", "train", "inspect", "serve", "steps", "nccl"]
+    for s in got[4:]:
+        validate_parameters(s.notebook, s.parameters)

@@ -255,12 +255,17 @@ def pipeline(
     browser_check: bool = typer.Option(
         True, help="open each HTML report in headless Chromium when available"
     ),
+    experiments: bool = typer.Option(
+        False, help="also run 05 (step sweep) and 06 (all-reduce, TP scaling)"
+    ),
 ) -> None:
     """Run notebooks 01 (capture) -> 02 (train) -> 03 (inspect) -> 04 (serve) as one report run."""
     from workbench.pipeline import stages
     from workbench.report import check_html_in_browser, find_chromium, run_stages
 
-    results = run_stages(stages(profile, target), reports_dir, force=force, progress_bar=True)
+    results = run_stages(
+        stages(profile, target, experiments), reports_dir, force=force, progress_bar=True
+    )
     typer.echo(
         f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results)
     )
@@ -400,13 +405,9 @@ def audit(
         False, "--wiring", help="also run the teacher-forced wiring audit (ends with RESULT)"
     ),
 ) -> None:
-    """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags).
-
-    Prints every disagreement; exits 1 when any is an error. --wiring: which aux layers the
-    draft predicts best from, teacher-forced on the capture's held-out split (found from the
-    draft's provenance, or --capture) + greedy continuations of MT-bench prompts; the last
-    line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; a shifted wiring that
-    wins exits 1."""
+    """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags);
+    exits 1 on an error. --wiring: the teacher-forced wiring audit (workbench/wiring.py); its
+    last line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; shifted_wins exits 1."""
     from workbench.audit import config_audit, format_findings, has_errors
     from workbench.target import load_target
 

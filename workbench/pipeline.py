@@ -68,15 +68,18 @@ def default_draft_dir(profile: str = "quick", target: str = EMBEDDED_NAME) -> Pa
     return artifacts_dir(profile, target) / "draft"
 
 
-def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
-    """The capture -> train -> inspect -> serve stages of `workbench pipeline --profile NAME`."""
+def stages(
+    profile: str = "quick", target: str = EMBEDDED_NAME, experiments: bool = False
+) -> list[Stage]:
+    """The capture -> train -> inspect -> serve stages of `workbench pipeline --profile NAME`;
+    `experiments` adds the step sweep (05) and the all-reduce / TP-scaling notebook (06)."""
     if profile not in PIPELINE_PROFILES:
         raise WorkbenchError(
             f"unknown pipeline profile {profile!r}; expected one of {sorted(PIPELINE_PROFILES)}"
         )
     p = PIPELINE_PROFILES[profile]
     home = artifacts_dir(profile, target)
-    return [
+    out = [
         Stage(
             NOTEBOOKS / "01_capture_hidden_states.ipynb",
             name="capture",
@@ -127,3 +130,13 @@ def stages(profile: str = "quick", target: str = EMBEDDED_NAME) -> list[Stage]:
             },
         ),
     ]
+    if experiments:
+        out += [
+            Stage(
+                NOTEBOOKS / "05_step_sweep.ipynb",
+                name="steps",
+                parameters={"target": target, "draft": "${train.draft_dir}"},
+            ),
+            Stage(NOTEBOOKS / "06_nccl_sweep.ipynb", name="nccl", parameters={}),
+        ]
+    return out
