@@ -20,7 +20,6 @@ import hashlib
 import itertools
 import json
 import os
-import signal
 import subprocess
 import time
 import traceback
@@ -32,6 +31,7 @@ from typing import Any
 from workbench.engine.spec import SpecError, resolve_params
 from workbench.errors import WorkbenchError
 from workbench.fsutil import atomic_write_text, claim_dir, locked_dir
+from workbench.serving import process
 
 RESULTS = "results.jsonl"
 WORKLOAD = "sweep-args.json"
@@ -301,11 +301,8 @@ def run_command(
 
 
 def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group `proc` leads and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Kill the process group `proc` leads at once (serving.process's teardown) and reap it."""
+    process.kill_group(proc.pid, grace_s=0)
     proc.wait()
 
 
