@@ -4,7 +4,6 @@ served over real HTTP on loopback, with and without speculation."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import papermill as pm
@@ -72,8 +71,6 @@ def _check_anatomy(run_dir: Path, rec: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("WORKBENCH_TEST_NB04_SGLANG") != "1",
-                    reason="opt-in (about 75 s): WORKBENCH_TEST_NB04_SGLANG=1")  # fmt: skip
 def test_notebook_04_cycle_anatomy_on_real_sglang(tmp_path, monkeypatch):
     """Backend sglang: the plugin's trace feeds the same anatomy; the live wiring check passes
     the correctly wired draft against a capture of the same target."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -121,6 +120,7 @@ def _by_request(recs: list[CycleRecord]) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+@pytest.mark.slow  # a real SGLang server on the real 135M target
 def test_one_trace_line_per_verify_call(served):
     seq_verify = sum(a["meta_info"]["spec_verify_ct"] for a in served["seq"])
     assert served["n_seq"] == served["m_seq"]["sglang:spec_verify_calls_total"] == seq_verify
@@ -131,6 +131,7 @@ def test_one_trace_line_per_verify_call(served):
     assert [r.cycle for r in recs] == list(range(len(recs)))
 
 
+@pytest.mark.slow  # a real SGLang server on the real 135M target
 def test_per_request_accepted_counts_agree_with_meta_info(served):
     per = _by_request(plugin.read_trace_dir(served["spec"].trace_dir))
     answers = served["seq"] + served["par"]
@@ -149,6 +150,7 @@ def test_per_request_accepted_counts_agree_with_meta_info(served):
     assert max(taus) > 1.5 > min(taus)  # varied acceptance, not an all-1.0 comparison
 
 
+@pytest.mark.slow  # a real SGLang server on the real 135M target
 def test_trace_is_the_engine_schema_read_by_read_trace(served, target):
     files = plugin.trace_files(served["spec"].trace_dir)
     assert [f.name for f in files] == ["trace-rank0.jsonl"]
@@ -168,6 +170,7 @@ def test_trace_is_the_engine_schema_read_by_read_trace(served, target):
     print(f"verify share of the cycle on CPU: {share:.2f}")
 
 
+@pytest.mark.slow  # a real SGLang server on the real 135M target
 def test_live_wiring_check_passes_the_correct_export(served, manifest, draft_dir):
     recs = plugin.read_trace_dir(served["spec"].trace_dir)
     res = live_wiring_check(recs, manifest, served_layer_ids(draft_dir))
@@ -183,10 +186,7 @@ def test_live_wiring_check_passes_the_correct_export(served, manifest, draft_dir
 @pytest.fixture(scope="module")
 def shifted_trace(target, draft_dir, tmp_path_factory):
     """A second server: the same export with eagle_aux_hidden_state_layer_ids shifted by one in
-    config.json (the field report's hand edit). Opt-in (another ~2-3 min start on this CPU):
-    WORKBENCH_TEST_SHIFTED_SERVER=1."""
-    if os.environ.get("WORKBENCH_TEST_SHIFTED_SERVER") != "1":
-        pytest.skip("set WORKBENCH_TEST_SHIFTED_SERVER=1 to serve the shifted export as well")
+    config.json (the field report's hand edit)."""
     need_server_env()
     server_env_threads()
     d = tmp_path_factory.mktemp("plugin-shifted")
@@ -212,6 +212,7 @@ def shifted_trace(target, draft_dir, tmp_path_factory):
     return plugin.read_trace_dir(spec.trace_dir), served_layer_ids(shifted)
 
 
+@pytest.mark.slow  # a real SGLang server on the real 135M target
 def test_live_wiring_check_flags_the_shifted_export(shifted_trace, manifest):
     recs, served = shifted_trace
     assert live_wiring_check(recs, manifest).problems  # the norms alone flag it
