@@ -80,6 +80,29 @@ def regenerate(
 
 
 @app.command()
+def prompts(
+    n: int = typer.Option(..., "--n", help="prompts to keep (after the filters)"),
+    out: str = typer.Option(..., "--out", help="prompt file (.jsonl; stats go to .stats.json)"),
+    target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
+    seed: int = typer.Option(0),
+    batch_size: int = typer.Option(64),
+    max_new_tokens: int = typer.Option(96, help="longest prompt sampled; longer ones are dropped"),
+    hints: str = typer.Option("category", help="none | category (a topic per prompt)"),
+    max_rounds: int = typer.Option(3, help="sampling rounds to reach --n after drops"),
+) -> None:
+    """Grow the prompt set: the target writes user turns, filtered against evals and duplicates."""
+    from workbench.selfprompts import SelfPromptConfig, write_prompts
+    from workbench.target import load_target
+
+    cfg = SelfPromptConfig(n=n, seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                           hints=hints, max_rounds=max_rounds)  # fmt: skip
+    st = write_prompts(load_target(target), out, cfg)
+    drops = ", ".join(f"{k} {v}" for k, v in st["dropped"].items() if v)
+    typer.echo(f"kept {st['n_kept']}/{st['n_generated']} prompts into {out} ({st['tok_s']} "
+               f"tok/s); dropped: {drops or 'none'}")  # fmt: skip
+
+
+@app.command()
 def capture(
     target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
     prompts: str = typer.Option(
@@ -203,9 +226,7 @@ def run(
     params_file: list[str] = typer.Option(
         [], "-f", "--parameters-file", help="YAML mapping of parameters (repeatable)"
     ),
-    reports_dir: str = typer.Option(
-        "reports", "--reports-dir", help="where run directories and index.html go"
-    ),
+    reports_dir: str = typer.Option("reports", help="where run directories and index.html go"),
     run_id: str = typer.Option(
         "", "--run-id", help="put the notebook into this run directory (default: a new one)"
     ),
@@ -323,15 +344,9 @@ def export_draft(
     ),
     fmt: str = typer.Option("sglang", "--format", help="sglang | speculators"),
     out: str = typer.Option(..., "--out", help="export directory (written atomically)"),
-    verifier: str = typer.Option(
-        "", "--verifier", help="speculators: verifier (target) name or path"
-    ),
-    speculative_tokens: int = typer.Option(
-        3, "--speculative-tokens", help="speculators: draft tokens per step"
-    ),
-    dtype: str = typer.Option(
-        "", "--dtype", help="float32 | bfloat16 | float16 (default: as trained)"
-    ),
+    verifier: str = typer.Option("", help="speculators: verifier (target) name or path"),
+    speculative_tokens: int = typer.Option(3, help="speculators: draft tokens per step"),
+    dtype: str = typer.Option("", help="float32 | bfloat16 | float16 (default: as trained)"),
     target_max_positions: int = typer.Option(
         0,
         "--target-max-position-embeddings",
@@ -339,26 +354,20 @@ def export_draft(
     ),
 ) -> None:
     """Export a draft in the layout SGLang (--speculative-draft-model-path) or vLLM loads."""
-    from workbench.draft.export import (
-        FORMATS,
-        SGLANG,
-        export_sglang,
-        export_speculators,
-        reexport_provenance,
-    )
+    from workbench.draft import export as ex
     from workbench.draft.load import load_draft
 
-    if fmt not in FORMATS:
-        _fail(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt != SGLANG and not verifier:
+    if fmt not in ex.FORMATS:
+        _fail(f"--format must be one of {', '.join(ex.FORMATS)}, got {fmt!r}")
+    if fmt != ex.SGLANG and not verifier:
         _fail("--format speculators needs --verifier (the target's hub id or path)")
     loaded = load_draft(draft)
-    d, prov, warns = loaded.draft, reexport_provenance(loaded), loaded.warnings
+    d, prov, warns = loaded.draft, ex.reexport_provenance(loaded), loaded.warnings
     kw = dict(dtype=dtype or None, target_max_position_embeddings=target_max_positions or None)
-    if fmt == SGLANG:
-        path = export_sglang(d, out, prov, **kw)
+    if fmt == ex.SGLANG:
+        path = ex.export_sglang(d, out, prov, **kw)
     else:
-        path = export_speculators(d, out, verifier, speculative_tokens, prov, **kw)
+        path = ex.export_speculators(d, out, verifier, speculative_tokens, prov, **kw)
     for w in warns:
         typer.secho(f"warning (source): {w}", fg=typer.colors.YELLOW, err=True)
     ids = d.config.layer_ids
@@ -371,9 +380,7 @@ def import_draft_cmd(
     layer_convention: str = typer.Option(
         "", "--layer-convention", help="output_of_layer | input_of_layer | hf_hidden_states_index"
     ),
-    layer_ids: str = typer.Option(
-        "", "--layer-ids", help="ids when the config has none, e.g. '1,14,26'"
-    ),
+    layer_ids: str = typer.Option("", help="ids when the config has none, e.g. '1,14,26'"),
     target_max_positions: int = typer.Option(0, "--target-max-position-embeddings"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 when anything is flagged"),
 ) -> None:
@@ -398,9 +405,7 @@ def audit(
     serving: str = typer.Option(
         "", "--serving", help='serving command line, e.g. "python -m sglang.launch_server ..."'
     ),
-    target: str = typer.Option(
-        "", "--target", help="target (HF dir, .gguf, 'smollm2-135m') to check against"
-    ),
+    target: str = typer.Option("", help="target (HF dir, .gguf, 'smollm2-135m') to check against"),
     wiring: bool = typer.Option(
         False, "--wiring", help="also run the teacher-forced wiring audit (ends with RESULT)"
     ),
@@ -563,18 +568,13 @@ def sweep(
     out: str = typer.Option("", help="sweep folder (resumable); empty: under $WORKBENCH_HOME"),
 ) -> None:
     """Step-count sweep (resumable; the baseline always included) + the cost model's pick."""
-    from workbench.experiments.steps import (
-        drift_warning,
-        format_table,
-        result_line,
-        run_step_sweep,
-    )
+    from workbench.experiments import steps as st
     from workbench.pipeline import default_draft_dir
 
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
 
-    res = run_step_sweep(
+    res = st.run_step_sweep(
         out or None, backend=backend, target=target, draft=draft or str(default_draft_dir()),
         num_steps=ints(steps), eagle_topk=ints(topk), num_draft_tokens=[n or None for n in ints(ndt)],
         batch_size=ints(batch), n_prompts=n_prompts, max_new_tokens=max_new_tokens, dtype=dtype,
@@ -589,10 +589,10 @@ def sweep(
             typer.echo(f"FAILED {r['label']}: {r['error']}")
     if res["report"] is None:
         _fail(f"no cost model: {res['model_error']}")
-    typer.echo(format_table(res["report"]))
-    if warn := drift_warning(res["report"]):
+    typer.echo(st.format_table(res["report"]))
+    if warn := st.drift_warning(res["report"]):
         typer.echo(warn)
-    typer.echo(result_line(res["report"]))
+    typer.echo(st.result_line(res["report"]))
 
 
 if __name__ == "__main__":
