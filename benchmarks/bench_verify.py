@@ -13,9 +13,26 @@ model (a 2-thread op waits for a slice at every step): `--threads 1 --clock cpu`
 process's CPU time instead, which stays close to a quiet machine's one-core figures.
 `--compare` adds the unpacked weights on plain F.linear (the path before oneDNN packing).
 
+`--against REV` adds workbench/llama.py as of git REV (before/after from one run);
+`--breakdown` first prints per-op times of k=1 and k=8 (timers around every matmul, norm,
+RoPE and attention call; "rest" is cache writes, masks, reshapes and Python).
+
+Why fp32 k=8 stays above 1.15 on one core of this AMD EPYC (Zen 5, AVX-512; issue 14, timed
+with this script's --breakdown and a matmul-only stream over all 30 layers, loaded machine):
+the matmuls read 134.5M weights = 538 MB (fp32) per step. At 1 row oneDNN streams them at
+~29 GB/s (18.7 ms of the ~27 ms step; the other ~8 ms are norms, RoPE, attention and Python,
+which barely grow with k). 8 rows are 2 x 8 x 134.5M = 2.15 GFLOP; oneDNN's brgemm reaches
+~168 GFLOP/s at 8 rows on cache-resident weights (~230 at 256 rows) = 12.8 ms of pure compute.
+A single core both issues the loads and does the FMAs, and only about half of that compute
+hides under the stream: the same matmuls take 25.6 ms at 8 rows (85 GFLOP/s) vs 18.7 at 1 row
+(1.37x on their own). k=8 <= 1.15 would need ~70% of the compute hidden; no weight layout
+(PACK_ROWS 1-128 pick the same AB16b64a kernel), MKL packed sgemm (1.74x) or F.linear (1.9x)
+does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its ratio is similar
+(matmuls alone 1.34x). Two threads on this 2-core shared box measure the scheduler, not the model.
+
 Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...`.
 Run: `python benchmarks/bench_verify.py [--repeats 15] [--threads N] [--clock wall|cpu]
-[--compare] [--target smollm2-135m]`.
+[--compare] [--against REV] [--breakdown] [--target smollm2-135m]`.
 """
 
 from __future__ import annotations
@@ -23,7 +40,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("MKL_CBWR", "AVX512")  # before torch loads MKL
 
@@ -36,14 +55,28 @@ KS = (1, 2, 4, 8)
 CLOCK = time.perf_counter
 
 
-def time_verify(
-    variants: dict[str, Llama], repeats: int, prefill: int = 128, seed: int = 0
-) -> dict[str, dict[int, float]]:
-    """Median seconds per call for each variant (a named Llama) and k.
+def llama_at(rev: str) -> type:
+    """`Llama` from workbench/llama.py as of git `rev`, imported from a temporary file."""
+    import importlib.util
+    import subprocess
+    import tempfile
 
-    k=1 is a decode step (logits of the last token), k>1 a verify. Every repeat runs every
-    variant and k in a rotating order, so load from other processes hits them alike.
-    """
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:workbench/llama.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"llama_at_{abs(hash(rev))}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    return mod.Llama
+
+
+def make_calls(variants: dict[str, Llama], prefill: int = 128, seed: int = 0):
+    """`call(name, k)` -> seconds: k=1 a decode step (logits of the last token), k>1 a verify
+    (k tokens, aux layers, all logits, cache not advanced), each after a `prefill` prompt."""
     g = torch.Generator().manual_seed(seed)
     llm0 = next(iter(variants.values()))
     V = int(llm0.config.vocab_size)
@@ -64,6 +97,16 @@ def time_verify(
             llm(toks[k], caches[name], hidden_layers=aux, logits="all", advance=False)
         return CLOCK() - t0
 
+    return call
+
+
+def time_verify(variants: dict[str, Llama], repeats: int) -> dict[str, dict[int, float]]:
+    """Median seconds per call for each variant (a named Llama) and k.
+
+    Every repeat runs every variant and k in a rotating order, so load from other processes
+    hits them alike.
+    """
+    call = make_calls(variants)
     jobs = [(n, k) for n in variants for k in KS]
     times: dict[tuple[str, int], list[float]] = {j: [] for j in jobs}
     for r in range(repeats + 2):  # two warm-up rounds
@@ -72,6 +115,68 @@ def time_verify(
             if r >= 2:
                 times[j].append(dt)
     return {n: {k: statistics.median(times[n, k]) for k in KS} for n in variants}
+
+
+def print_breakdown(variants: dict[str, Llama], repeats: int) -> None:
+    """Per-op median ms of a decode step (k=1) and an 8-token verify, from timers.
+
+    The matmuls are told apart by their weight's output size; "rest" is the forward's time
+    not inside a timed call (cache writes, mask, embedding, reshapes, Python). Each timer
+    costs about a microsecond, ~250 per forward.
+    """
+    import torch.nn.functional as F
+
+    import workbench.llama as wl
+
+    acc: dict[str, float] = {}
+    originals = {"linear": wl.linear, "rms_norm": wl.rms_norm, "apply_rope": wl.apply_rope}
+    sdpa = F.scaled_dot_product_attention
+
+    def timed(name: str, fn):
+        def run(*a, **kw):
+            t0 = CLOCK()
+            out = fn(*a, **kw)
+            acc[name] = acc.get(name, 0.0) + CLOCK() - t0
+            return out
+
+        return run
+
+    def timed_linear(x, w, b=None):
+        name = names.get(int(w.shape[0]), f"linear {w.shape[0]}")
+        return timed(name, originals["linear"])(x, w, b)
+
+    for vname, llm in variants.items():
+        H, Hkv, D = llm.n_heads, llm.n_kv, llm.head_dim
+        inter = int(llm.config.intermediate_size)
+        names = {(H + 2 * Hkv) * D: "qkv", llm.dim: "o / down", 2 * inter: "gate+up",
+                 int(llm.config.vocab_size): "lm_head"}  # fmt: skip
+        if llm.dim == (H + 2 * Hkv) * D or llm.dim == 2 * inter:
+            raise ValueError("breakdown tells matmuls apart by output size; these collide")
+        wl.linear, wl.rms_norm = timed_linear, timed("norms", wl.rms_norm)
+        wl.apply_rope, F.scaled_dot_product_attention = (
+            timed("rope", wl.apply_rope),
+            timed("attention", sdpa),
+        )
+        try:
+            per: dict[int, dict[str, list[float]]] = {1: {}, 8: {}}
+            call = make_calls({vname: llm})
+            for r in range(repeats + 2):
+                for k in (1, 8):
+                    acc.clear()
+                    total = call(vname, k)
+                    if r < 2:  # warm-up
+                        continue
+                    acc["rest"] = total - sum(acc.values())
+                    acc["total"] = total
+                    for n, t in acc.items():
+                        per[k].setdefault(n, []).append(t)
+        finally:
+            wl.linear, wl.rms_norm = originals["linear"], originals["rms_norm"]
+            wl.apply_rope, F.scaled_dot_product_attention = originals["apply_rope"], sdpa
+        print(f"{vname} per-op ms (median): k=1 -> k=8 (delta)")
+        for n in per[8]:
+            a, b = (statistics.median(per[k].get(n, [0.0])) * 1e3 for k in (1, 8))
+            print(f"  {n:>10}: {a:6.2f} -> {b:6.2f} ({b - a:+.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         "--compare",
         action="store_true",
         help="also time the unpacked weights on F.linear (the old path)",
+    )
+    ap.add_argument(
+        "--against",
+        metavar="REV",
+        help="also time workbench/llama.py as of git REV (before/after ratios from one run)",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="first print per-op times of k=1 and k=8 (timers around each call)",
     )
     args = ap.parse_args(argv)
     if args.threads:
@@ -110,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         variants[name] = Llama(target.model, getattr(torch, name))
         if args.compare and variants[name].onednn:
             variants[f"{name} unpacked (before)"] = Llama(target.model, getattr(torch, name), False)
+        if args.against:
+            old = llama_at(args.against)
+            variants[f"{name} @{args.against}"] = old(target.model, getattr(torch, name))
+    if args.breakdown:
+        print_breakdown(variants, args.repeats)
     med = time_verify(variants, args.repeats)
     ratios = {n: {k: m[k] / m[1] for k in KS} for n, m in med.items()}
     for n, m in med.items():

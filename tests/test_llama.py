@@ -1,0 +1,73 @@
+"""The fused verify path of `Llama` (q/k RoPE in one pass, slice-copy cache writes, additive
+mask) against the HF forward in fp32, and against its own batched index-write path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from workbench.llama import Llama
+
+ATOL = 2e-5
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_verify_then_decode_matches_hf(model, onednn, k):
+    """A k-token verify (not advancing), rollback-free re-verify, then decode == HF logits."""
+    llm = Llama(model, torch.float32, onednn=onednn)
+    x = torch.randint(0, 256, (1, 30 + k + 3), generator=torch.Generator().manual_seed(k))
+    with torch.no_grad():
+        ref = model(x).logits[0]
+        hs = model(x, output_hidden_states=True).hidden_states
+    c = llm.new_cache(1, 64)
+    llm(x[:, :30], c, logits="none")
+    junk = torch.randint(0, 256, (1, k), generator=torch.Generator().manual_seed(99))
+    llm(junk, c, logits="all", advance=False)  # stale slots the next verify must overwrite
+    out = llm(x[:, 30 : 30 + k], c, hidden_layers=[0, 2], logits="all", advance=False)
+    torch.testing.assert_close(out.logits[0], ref[30 : 30 + k], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden[0][0], hs[1][0, 30 : 30 + k], atol=ATOL, rtol=0)
+    assert c.lengths.tolist() == [30]
+    c.lengths += k  # accept all k, then decode on top of the verified slots
+    for i in range(30 + k, x.shape[1]):
+        got = llm(x[:, i : i + 1], c, logits="last").logits[0]
+        torch.testing.assert_close(got, ref[i], atol=ATOL, rtol=0)
+
+
+def test_equal_length_rows_match_ragged_rows(model):
+    """Rows at equal lengths take the slice-copy cache write, ragged rows the index write:
+    the same row gives the same logits and cache either way."""
+    llm = Llama(model, torch.float32)
+    x = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(5))
+    ragged, alone = llm.new_cache(2, 32), llm.new_cache(1, 32)
+    llm(x[:, :12], ragged, n_valid=torch.tensor([12, 9]), logits="none")
+    llm(x[:1, :12], alone, logits="none")
+    a = llm(x[:, 12:16], ragged, logits="all")  # lengths [12, 9]: index write
+    b = llm(x[:1, 12:16], alone, logits="all")  # batch 1: slice copy
+    torch.testing.assert_close(a.logits[:1], b.logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ragged.k[:, :1, :, :16], alone.k[:, :, :, :16], atol=ATOL, rtol=0)
+    torch.testing.assert_close(ragged.v[:, :1, :, :16], alone.v[:, :, :, :16], atol=ATOL, rtol=0)
+    assert ragged.lengths.tolist() == [16, 13] and alone.lengths.tolist() == [16]
+
+
+def test_cache_overflow_is_refused(model):
+    """A write past the cache's end fails loudly rather than being clipped by a slice."""
+    llm = Llama(model, torch.float32)
+    c = llm.new_cache(1, 8)
+    llm(torch.zeros(1, 6, dtype=torch.long), c, logits="none")
+    with pytest.raises(IndexError):
+        llm(torch.zeros(1, 4, dtype=torch.long), c, logits="none")
