@@ -126,10 +126,7 @@ def print_breakdown(variants: dict[str, Llama], repeats: int) -> None:
     """
     import torch.nn.functional as F
 
-    import workbench.llama as wl
-
     acc: dict[str, float] = {}
-    originals = {"linear": wl.linear, "rms_norm": wl.rms_norm, "apply_rope": wl.apply_rope}
     sdpa = F.scaled_dot_product_attention
 
     def timed(name: str, fn):
@@ -146,6 +143,8 @@ def print_breakdown(variants: dict[str, Llama], repeats: int) -> None:
         return timed(name, originals["linear"])(x, w, b)
 
     for vname, llm in variants.items():
+        wl = sys.modules[type(llm).__module__]  # the module whose globals forward() calls
+        originals = {"linear": wl.linear, "rms_norm": wl.rms_norm, "apply_rope": wl.apply_rope}
         H, Hkv, D = llm.n_heads, llm.n_kv, llm.head_dim
         inter = int(llm.config.intermediate_size)
         names = {(H + 2 * Hkv) * D: "qkv", llm.dim: "o / down", 2 * inter: "gate+up",
@@ -221,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(load average {os.getloadavg()[0]:.1f}: timings on a shared machine are noisy)"
     )
     variants: dict[str, Llama] = {}
+    old = llama_at(args.against) if args.against else None  # one module for both dtypes
     for name in args.dtypes.split(","):
         variants[name] = Llama(target.model, getattr(torch, name))
         if args.compare and variants[name].onednn:
             variants[f"{name} unpacked (before)"] = Llama(target.model, getattr(torch, name), False)
         if args.against:
-            old = llama_at(args.against)
             variants[f"{name} @{args.against}"] = old(target.model, getattr(torch, name))
     if args.breakdown:
         print_breakdown(variants, args.repeats)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from workbench.llama import Llama
+from workbench.llama import Llama, rms_norm
 
 ATOL = 2e-5
 
@@ -71,3 +71,14 @@ def test_cache_overflow_is_refused(model):
     llm(torch.zeros(1, 6, dtype=torch.long), c, logits="none")
     with pytest.raises(IndexError):
         llm(torch.zeros(1, 4, dtype=torch.long), c, logits="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_hf_formula(dtype):
+    """The fused norm gives HF LlamaRMSNorm's values (normalize in fp32, cast, scale)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 7, 576, generator=g) * 3).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    xf = x.float()
+    ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, atol=1e-6, rtol=1e-6)
