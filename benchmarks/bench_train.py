@@ -1,9 +1,18 @@
-"""Training throughput and TTT overhead on a synthetic batch with the embedded default's shapes.
+"""Training throughput of the TTT trainer at the `quick` preset's configuration, before vs after.
 
-SmolLM2-135M shapes (H 576, 9 heads / 3 KV heads, MLP 1536), 3 aux layers, 8K draft vocab.
-Prints tokens/s of a full training step (target logits + TTT-7 forward/backward + AdamW) and
-the cost of one TTT-7 forward+backward relative to a single-step one (goal: <= 8x, i.e. the
-unroll adds no waste beyond its 7 steps). Last line: `RESULT train_tok_s=... ttt_cost_ratio=...`.
+SmolLM2-135M shapes (H 576, 9 heads / 3 KV heads, MLP 1536), 3 aux layers, on a synthetic batch
+shaped like the quick preset's (batch 4 x 1024 tokens, draft vocab 4096, TTT-5, 1/4 of the
+positions unrolled past step 0, bf16 autocast). One training step = target logits (draft-vocab
+rows) + TTT forward/backward + grad clip + AdamW. The reference formulation
+(`TTTModel(reference=True)`: full-batch target softmax, boolean gathers, log-softmax loss, the
+first TTT attention) and the current one run interleaved in ONE process (min of reps: robust to
+other load on a shared CPU), on the same batch and sampled positions; their losses must agree.
+On a loaded machine use `--threads 1 --clock cpu` (CPU time of one thread, not wall time).
+
+Last line: `RESULT train_tok_s=... ref_train_tok_s=... speedup=... loss_rel_diff=...
+ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--cost-ratio` adds
+`ttt_cost_ratio`: a full (unsampled) TTT-N forward+backward relative to a single-step one
+(goal <= N x: the unroll adds no waste beyond its N steps).
 """
 
 from __future__ import annotations
@@ -34,29 +43,36 @@ def smollm2_config(draft_vocab: int) -> DraftConfig:
     )
 
 
-def timed_min(fns: list, reps: int) -> list[float]:
-    """Min wall time per fn over interleaved reps: robust to other processes on a shared CPU."""
+def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
+    """Min time per fn over interleaved reps: robust to other processes on a shared CPU."""
     for fn in fns:
         fn()  # warm-up
     best = [float("inf")] * len(fns)
     for _ in range(reps):
         for j, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[j] = min(best[j], time.perf_counter() - t0)
+            best[j] = min(best[j], clock() - t0)
     return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--ttt-sample", type=float, default=0.25)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--amp", choices=["off", "bf16"], default="off")
+    ap.add_argument("--amp", choices=["off", "bf16"], default="bf16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this process's CPU time (with --threads 1: robust on a loaded box)")  # fmt: skip
+    ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
     args = ap.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = smollm2_config(args.vocab)
     draft = Eagle3Draft(cfg)
@@ -65,8 +81,9 @@ def main() -> None:
     B, T, H = args.batch, args.seq, 576
     batch = {
         "input_ids": torch.randint(0, 49152, (B, T)),
-        "loss_mask": torch.ones(B, T, dtype=torch.bool),
-        "in_vocab": torch.ones(B, T, dtype=torch.bool),
+        "loss_mask": torch.rand(B, T) < 0.7,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+        "in_vocab": torch.rand(B, T) < 0.9,
         "aux_hidden": torch.randn(B, T, 3 * H),
         "last_hidden": torch.randn(B, T, H),
     }
@@ -77,32 +94,20 @@ def main() -> None:
         if args.amp == "bf16"
         else (lambda: torch.autocast("cpu", enabled=False))
     )
+    f = args.ttt_sample
+    masks, idx = unroll_masks(batch, args.ttt, f, all_tokens=True)  # loss_on=all, as quick
+    denom = torch.stack([m.sum() for m in masks]).float()
 
-    def masks_for(n: int, frac: float):
-        masks, idx = unroll_masks(batch, n, frac)
-        return masks, idx, torch.stack([m.sum() for m in masks]).float()
+    def loss_of(model: TTTModel, n_masks=masks, n_idx=idx, n_denom=denom) -> torch.Tensor:
+        tl = batch["last_hidden"] @ head_rows.T
+        with amp():
+            return model(batch, tl, n_masks, n_denom, idx=n_idx)[0]
 
-    def fwd_bwd(n: int, frac: float = 1.0):
-        model = TTTModel(draft, n, 0.8)
-        masks, idx, denom = masks_for(n, frac)
-
-        def run():
-            tl = batch["last_hidden"] @ head_rows.T
-            with amp():
-                loss, _ = model(batch, tl, masks, denom, idx=idx)
-            loss.backward()
-            draft.zero_grad(set_to_none=True)
-
-        return run
-
-    def train_step(frac: float = 1.0):
-        model = TTTModel(draft, args.ttt, 0.8)
-        masks, idx, denom = masks_for(args.ttt, frac)
+    def train_step(reference: bool):
+        model = TTTModel(draft, args.ttt, 0.8, reference=reference)
 
         def run():
-            tl = batch["last_hidden"] @ head_rows.T
-            with amp():
-                loss, _ = model(batch, tl, masks, denom, idx=idx)
+            loss = loss_of(model)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
@@ -110,31 +115,37 @@ def main() -> None:
 
         return run
 
+    with torch.no_grad():
+        l_new = float(loss_of(TTTModel(draft, args.ttt, 0.8)))
+        l_ref = float(loss_of(TTTModel(draft, args.ttt, 0.8, reference=True)))
+    rel = abs(l_new - l_ref) / max(abs(l_ref), 1e-12)
     print(
-        f"shapes: batch {B} x seq {T}, H {H}, 3 aux layers, draft vocab {args.vocab}, TTT-{args.ttt}, "
-        f"amp {args.amp}, threads {torch.get_num_threads()}"
+        f"shapes: batch {B} x seq {T}, H {H}, 3 aux layers, draft vocab {args.vocab}, "
+        f"TTT-{args.ttt}, ttt_sample {f:g}, amp {args.amp}, threads {torch.get_num_threads()}, "
+        f"clock {args.clock}"
     )
-    f = args.ttt_sample
-    t1, tn, ts, tns, tss = timed_min(
-        [fwd_bwd(1), fwd_bwd(args.ttt), train_step(), fwd_bwd(args.ttt, f), train_step(f)],
-        args.reps,
-    )
-    tok_s, tok_s_f = B * T / ts, B * T / tss
+    print(f"loss: current {l_new:.6f}  reference {l_ref:.6f}  relative difference {rel:.2e}")
+    t_ref, t_new = timed_min([train_step(True), train_step(False)], args.reps, clock)
+    tok_ref, tok_new = B * T / t_ref, B * T / t_new
     print(
-        f"single-step fwd+bwd: {t1 * 1000:.0f} ms   TTT-{args.ttt} fwd+bwd: {tn * 1000:.0f} ms   "
-        f"ratio {tn / t1:.2f}x (goal <= 8x)"
+        f"training step: reference {t_ref * 1000:.0f} ms ({tok_ref:.0f} tok/s), "
+        f"current {t_new * 1000:.0f} ms ({tok_new:.0f} tok/s), {t_ref / t_new:.2f}x"
     )
+    extra = ""
+    if args.cost_ratio:
+        full = unroll_masks(batch, args.ttt, 1.0, all_tokens=True)[0]
+        fd = torch.stack([m.sum() for m in full]).float()
+
+        def fwd_bwd(n: int):
+            model = TTTModel(draft, n, 0.8)
+            return lambda: (loss_of(model, full[:n], None, fd[:n]).backward(), draft.zero_grad())
+
+        t1, tn = timed_min([fwd_bwd(1), fwd_bwd(args.ttt)], args.reps, clock)
+        print(f"full TTT-{args.ttt} fwd+bwd {tn * 1000:.0f} ms vs 1 step {t1 * 1000:.0f} ms")
+        extra = f" ttt_cost_ratio={tn / t1:.2f}"
     print(
-        f"full training step (target logits + TTT-{args.ttt} + AdamW): {ts * 1000:.0f} ms, {tok_s:.0f} tok/s"
-    )
-    print(
-        f"with {f:g} of positions unrolled past step 0: TTT-{args.ttt} fwd+bwd {tns * 1000:.0f} ms "
-        f"(ratio {tns / t1:.2f}x), full training step {tss * 1000:.0f} ms, {tok_s_f:.0f} tok/s "
-        f"({tok_s_f / tok_s:.2f}x)"
-    )
-    print(
-        f"RESULT train_tok_s={tok_s:.1f} ttt_cost_ratio={tn / t1:.2f} "
-        f"sampled_train_tok_s={tok_s_f:.1f} sampled_ttt_cost_ratio={tns / t1:.2f} ttt_sample={f:g}"
+        f"RESULT train_tok_s={tok_new:.1f} ref_train_tok_s={tok_ref:.1f} "
+        f"speedup={t_ref / t_new:.2f} loss_rel_diff={rel:.1e} ttt_sample={f:g}{extra}"
     )
 
 

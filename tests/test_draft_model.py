@@ -16,6 +16,7 @@ from workbench.draft.model import (
     apply_rope,
     init_from_target,
     ttt_attention,
+    ttt_attention_reference,
 )
 from workbench.draft.vocab import (
     DraftVocab,
@@ -150,6 +151,34 @@ def test_ttt_attention_gqa_shapes():
     assert ttt_attention(q, kv).shape == (1, 4, 6, 8)
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_ttt_attention_equals_the_reference_formulation(sampled):
+    """The fast step-i attention (folded scale, fp32 softmax out of the scores, split, stacked
+    diagonal) gives the reference's output and gradients, full and sampled queries."""
+    torch.manual_seed(5)
+    B, nh, nkv, hd, T, steps = 2, 6, 2, 8, 23, 3
+    Q = 9 if sampled else T  # >= 2 x 4 chunks: the sampled path runs chunked
+    qpos = torch.rand(B, T).topk(Q, dim=1).indices.sort(dim=1).values if sampled else None
+
+    def leaf(*shape):
+        return torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+
+    q = leaf(B, nh, Q, hd)
+    kv = [(leaf(B, nkv, T, hd), leaf(B, nkv, T, hd))]
+    kv += [(leaf(B, nkv, Q, hd), leaf(B, nkv, Q, hd)) for _ in range(steps)]
+    w = torch.randn(B, nh, Q, hd, dtype=torch.float64)
+    leaves = [q] + [t for pair in kv for t in pair]
+    outs, grads = [], []
+    for fn in (ttt_attention, ttt_attention_reference):
+        out = fn(q, kv, qpos)
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * w).sum(), leaves))
+    # both softmax in fp32: agreement to fp32 rounding (summation order differs when chunked)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
 def test_cache_path_matches_full_forward_and_tree_mask():
     d = tiny_draft()
     ids = torch.randint(0, 256, (1, 8))
@@ -210,6 +239,20 @@ def test_init_from_target_copies_head_and_layer():
     torch.testing.assert_close(
         d.midlayer.mlp.down_proj.weight, t.model.layers[3].mlp.down_proj.weight
     )
+
+
+def test_init_from_target_without_lm_head_leaves_it_random():
+    t = tiny_llama()
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(t.config, LayerIds((0, 1, 2)), 64)
+    d = Eagle3Draft(cfg)
+    d.set_vocab(torch.arange(64) * 4)
+    before = d.lm_head.weight.clone()
+    init_from_target(d, t, lm_head=False)
+    assert torch.equal(d.lm_head.weight, before)  # untouched random init
+    torch.testing.assert_close(d.norm.weight, t.model.norm.weight)  # the rest still copied
+    init_from_target(d, t)
+    torch.testing.assert_close(d.lm_head.weight, t.get_output_embeddings().weight[d.draft_ids])
 
 
 # ---------------------------------------------------------------- vocab

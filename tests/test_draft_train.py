@@ -356,6 +356,20 @@ def test_presets_and_cli_args():
     assert (cfg.ttt_sample, cfg.loss_on) == (0.5, "all")
 
 
+def test_init_lm_head_off_leaves_the_draft_head_random(env):
+    """--no-init-lm-head: the ablation of copying the target's lm_head rows."""
+    assert config_from_args(["--capture", "c"]).init_lm_head is True
+    assert config_from_args(["--capture", "c", "--no-init-lm-head"]).init_lm_head is False
+    target, reader, root = env
+    W = target.model.get_output_embeddings().weight
+    gaps = {}
+    for on in (True, False):
+        cfg = base_cfg(root, f"lm_head_{on}", init_lm_head=on, max_steps=1, lr=1e-9)
+        d = load_draft(train(cfg, target, reader)["out"]).draft
+        gaps[on] = float((d.lm_head.weight - W[d.draft_ids]).abs().max())
+    assert gaps[True] < 1e-6 < 1e-2 < gaps[False]
+
+
 def test_bad_ttt_sample_and_loss_on_are_refused(env):
     target, reader, root = env
     with pytest.raises(TrainError, match="ttt_sample"):

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from workbench.draft.ttt import TTTModel, sample_positions, step_masks, subsample_masks, summarize
+from workbench.draft.ttt import (
+    TTTModel,
+    sample_positions,
+    soft_ce,
+    step_masks,
+    subsample_masks,
+    summarize,
+    unroll_masks,
+)
 
 
 def test_step_masks_alignment():
@@ -94,3 +103,61 @@ def test_loss_on_all_tokens_widens_the_mask_only():
     b["token_mask"] = torch.tensor([[1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
     assert step_masks(b, 1)[0].tolist() == [[False, True, True, True, False, False]]
     assert step_masks(b, 1, all_tokens=True)[0].tolist() == [[True, True, True, True, False, False]]
+
+
+def test_soft_ce_equals_the_log_softmax_formula_across_chunks():
+    torch.manual_seed(4)
+    z = torch.randn(10, 7, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(10, 7, dtype=torch.float64)
+    g = torch.rand(10, dtype=torch.float64)
+    ce, top = soft_ce(z, t, chunk=3)  # 3 + 3 + 3 + 1 rows
+    (gz,) = torch.autograd.grad((ce * g).sum(), z)
+    ref = -(t.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    (gref,) = torch.autograd.grad((ref * g).sum(), z)
+    torch.testing.assert_close(ce, ref.float(), atol=1e-6, rtol=1e-6)  # fp32 math inside
+    torch.testing.assert_close(gz, gref, atol=1e-6, rtol=1e-6)
+    assert torch.equal(top, z.argmax(-1))
+
+
+@pytest.mark.parametrize("sample", [1.0, 0.3])
+def test_fast_unroll_equals_the_reference_unroll(sample, monkeypatch):
+    """TTTModel's fast path (soft_ce, flat target gathers, fast attention) gives the loss,
+    step statistics and gradients of the reference formulation, full and sampled."""
+    from test_draft_model import tiny_draft
+
+    torch.manual_seed(6)
+    d = tiny_draft(dvocab=64)
+    B, T, K = 3, 40, 4  # sampled: 13 positions, the attention runs in chunks
+    batch = {
+        "input_ids": torch.randint(0, 256, (B, T)),
+        "aux_hidden": torch.randn(B, T, 3 * 64),
+        "loss_mask": torch.rand(B, T) < 0.8,
+        "in_vocab": torch.rand(B, T) < 0.9,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+    tl = torch.randn(B, T, 64) * 3
+    masks, idx = unroll_masks(batch, K, sample)
+    assert (idx is None) == (sample == 1.0)
+    masks_all = step_masks(batch, K, all_tokens=True) if idx is None else None
+    denom = torch.stack([m.sum() for m in masks]).float()
+    import workbench.draft.model as model_mod
+
+    calls = []
+    plain = model_mod.ttt_attention_reference
+    monkeypatch.setattr(
+        model_mod, "ttt_attention_reference", lambda *a: calls.append(1) or plain(*a)
+    )
+    out = []
+    for reference in (False, True):
+        d.zero_grad()
+        model = TTTModel(d, K, 0.8, reference=reference)
+        loss, st = model(batch, tl, masks, denom, idx=idx, masks_all=masks_all)
+        loss.backward()
+        out.append((loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}))
+    (l_fast, st_fast, g_fast), (l_ref, st_ref, g_ref) = out
+    assert len(calls) == K - 1  # only the reference run took the reference attention
+    torch.testing.assert_close(l_fast, l_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(st_fast, st_ref, atol=1e-3, rtol=1e-5)  # ce sums; counts exact
+    assert torch.equal(st_fast[:, 1:], st_ref[:, 1:])
+    for k in g_ref:
+        torch.testing.assert_close(g_fast[k], g_ref[k], atol=1e-5, rtol=1e-4)

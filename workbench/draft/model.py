@@ -14,6 +14,8 @@ Attention has three paths, all with Llama RoPE:
   keys of steps 1..i. Per-step K/V are kept in a list; scores against step 0 are a [T, T]
   matrix, against later steps a diagonal (one dot product per position), so each step costs
   O(T^2) once instead of materializing a [T, (i+1)T] mask (SpecForge's trick).
+  `ttt_attention_reference` is the first version of that path, kept (select it with
+  `TTTKV(reference=True)`) as the baseline that tests and benchmarks/bench_train.py compare to.
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ttt is not None and len(ttt) > 0:
             ttt.append((k, v))
-            out = ttt_attention(q, ttt, ttt_pos)
+            attend = ttt_attention_reference if getattr(ttt, "reference", False) else ttt_attention
+            out = attend(q, ttt, ttt_pos)
         else:
             if ttt is not None:
                 ttt.append((k, v))
@@ -248,7 +251,76 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
+class TTTKV(list):
+    """The per-step (k, v) of one TTT unroll; `reference=True` selects
+    `ttt_attention_reference` (the baseline) instead of `ttt_attention`."""
+
+    def __init__(self, reference: bool = False) -> None:
+        super().__init__()
+        self.reference = reference
+
+
+def _ttt_causal(T: int, qpos: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Which step-0 keys each query sees: [T, T] (query t: keys <= t) or [B, 1, 1, Q, T]."""
+    if qpos is None:
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    keys = torch.arange(T, device=device)
+    return (keys[None, None, :] <= qpos[:, :, None])[:, None, None]
+
+
 def ttt_attention(
+    q: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    qpos: torch.Tensor | None = None,
+    chunks: int = 4,
+) -> torch.Tensor:
+    """Step-i attention: causal over step-0 keys + diagonal over steps 1..i keys.
+
+    Same contract and math as `ttt_attention_reference`, with fewer passes over the [Q, T]
+    score block (the cost of a sampled unroll step): the scale is folded into q (1/8 for
+    head_dim 64: exact), the softmax writes fp32 straight from the low-precision scores
+    (no separate upcast copy), and the result is split rather than sliced (no zero-filled
+    slice gradients); the diagonal terms run as one stacked [.., i] block. Sampled queries
+    (sorted `qpos`) go in `chunks` groups, each against the step-0 keys up to its last
+    position only: the keys past it are masked for every query of the group anyway.
+    """
+    Q = q.shape[2]
+    if qpos is None or chunks <= 1 or Q < 2 * chunks:
+        return _ttt_attention_block(q, kv, qpos)
+    outs = []
+    for a in range(0, Q, -(-Q // chunks)):
+        b = min(Q, a - (-Q // chunks))
+        n_keys = int(qpos[:, b - 1].max()) + 1
+        part = [(kv[0][0][:, :, :n_keys], kv[0][1][:, :, :n_keys])]
+        part += [(k[:, :, a:b], v[:, :, a:b]) for k, v in kv[1:]]
+        outs.append(_ttt_attention_block(q[:, :, a:b], part, qpos[:, a:b]))
+    return torch.cat(outs, 2)
+
+
+def _ttt_attention_block(
+    q: torch.Tensor,
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    qpos: torch.Tensor | None,
+) -> torch.Tensor:
+    B, nh, Q, hd = q.shape
+    k0, v0 = kv[0]
+    nkv, T = k0.shape[1], k0.shape[2]
+    g, n = nh // nkv, len(kv) - 1
+    qg = (q * (1.0 / math.sqrt(hd))).view(B, nkv, g, Q, hd)
+    s0 = torch.matmul(qg, k0[:, :, None].transpose(-1, -2))  # [B, nkv, g, Q, T]
+    s0 = s0.masked_fill(~_ttt_causal(T, qpos, q.device), float("-inf"))
+    kd = torch.stack([kj for kj, _ in kv[1:]], -2)  # [B, nkv, Q, i, hd]
+    diag = torch.matmul(qg.unsqueeze(-2), kd[:, :, None].transpose(-1, -2)).squeeze(-2)
+    p = torch.cat([s0, diag], -1).softmax(-1, dtype=torch.float32).to(q.dtype)
+    p0, pd = p.split([T, n], -1)
+    vd = torch.stack([vj for _, vj in kv[1:]], -2)  # [B, nkv, Q, i, hd]
+    out = torch.matmul(p0, v0[:, :, None]) + torch.matmul(pd.unsqueeze(-2), vd[:, :, None]).squeeze(
+        -2
+    )
+    return out.reshape(B, nh, Q, hd)
+
+
+def ttt_attention_reference(
     q: torch.Tensor,
     kv: list[tuple[torch.Tensor, torch.Tensor]],
     qpos: torch.Tensor | None = None,
@@ -268,12 +340,7 @@ def ttt_attention(
     qg = q.view(B, nkv, g, Q, hd)
     scale = 1.0 / math.sqrt(hd)
     s0 = torch.matmul(qg, k0[:, :, None].transpose(-1, -2)) * scale  # [B, nkv, g, Q, T]
-    if qpos is None:
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    else:
-        keys = torch.arange(T, device=q.device)
-        causal = (keys[None, None, :] <= qpos[:, :, None])[:, None, None]  # [B, 1, 1, Q, T]
-    s0 = s0.masked_fill(~causal, float("-inf"))
+    s0 = s0.masked_fill(~_ttt_causal(T, qpos, q.device), float("-inf"))
     diag = [(qg * kj[:, :, None]).sum(-1, keepdim=True) * scale for kj, _ in kv[1:]]
     p = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)  # [B, nkv, g, Q, T+i]
     out = torch.matmul(p[..., :T], v0[:, :, None])
@@ -441,8 +508,12 @@ def init_from_target(
     target_model: nn.Module,
     layer_index: int | None = None,
     embed_half_scale: float = 0.0,
+    lm_head: bool = True,
 ) -> Eagle3Draft:
     """Copy frozen embeddings, final norm and the draft-vocab rows of lm_head from the target.
+
+    `lm_head=False` leaves the draft's lm_head as initialised (random): the ablation of that
+    lever.
 
     With `layer_index`, also start the decoder layer from that target layer: MLP,
     post-attention norm, o_proj as is; q/k/v take the target weights in their hidden half
@@ -453,8 +524,9 @@ def init_from_target(
     draft.embed_tokens.copy_(emb.to(draft.embed_tokens))
     inner = getattr(target_model, "model", target_model)
     draft.norm.weight.copy_(inner.norm.weight)
-    head = target_model.get_output_embeddings().weight
-    draft.lm_head.weight.copy_(head[draft.draft_ids.to(head.device)].to(draft.lm_head.weight))
+    if lm_head:
+        head = target_model.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head[draft.draft_ids.to(head.device)].to(draft.lm_head.weight))
     if layer_index is None:
         return draft
     layer = inner.layers[layer_index]

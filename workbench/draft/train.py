@@ -52,8 +52,9 @@ from workbench.draft.data import (
     target_argmax,
 )
 from workbench.draft.errors import TrainError
+from workbench.draft.evaluate import evaluate_stats
 from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
-from workbench.draft.ttt import TTTModel, step_masks, summarize, unroll_masks
+from workbench.draft.ttt import TTTModel, summarize, unroll_masks
 from workbench.draft.vocab import (
     EMBEDDED_DRAFT_VOCAB,
     DraftVocab,
@@ -95,6 +96,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     init_from_target: bool = True  # norm + lm_head rows from the target
+    init_lm_head: bool = True  # with init_from_target: lm_head rows too (False: random)
     init_layer: int | None = None  # also start the decoder layer from this target layer
     embed_half_scale: float = 0.0
     ttt_sample: float = 1.0  # fraction of positions unrolled past step 0 (1 = all)
@@ -356,7 +358,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     draft = Eagle3Draft(dcfg)
     draft.set_vocab(vocab.ids)
     if cfg.init_from_target:
-        init_from_target(draft, target.model, cfg.init_layer, cfg.embed_half_scale)
+        init_from_target(draft, target.model, cfg.init_layer, cfg.embed_half_scale,
+                         lm_head=cfg.init_lm_head)  # fmt: skip
     else:
         draft.embed_tokens.copy_(target.model.get_input_embeddings().weight.detach().float())
     draft.to(device)
@@ -502,30 +505,11 @@ def _ntok(gb: list[int], lengths: list[int], max_len: int, d: Dist) -> float:
     return float(sum(min(lengths[i], max_len) for i in gb[d.rank :: d.world]))
 
 
-# ---------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def evaluate(
-    model: TTTModel, reader, indices, argmax, t2d, head, cfg: TrainConfig, device, amp_ctx, d: Dist
-) -> dict[str, Any]:
+def evaluate(model, reader, indices, argmax, t2d, head, cfg: TrainConfig, device, amp_ctx, d: Dist):
     """Held-out per-step metrics (each rank a slice of the held-out set, summed)."""
-    model.eval()
-    stats = torch.zeros(cfg.ttt_len, 9, device=device)
-    mine = indices[d.rank :: d.world]
-    per = max(1, cfg.batch_size // d.world)
-    for a in range(0, len(mine), per):
-        batch = collate(reader, mine[a : a + per], argmax, t2d, cfg.max_len, device)
-        masks = step_masks(batch, cfg.ttt_len)
-        everything = {**batch, "in_vocab": torch.ones_like(batch["in_vocab"])}
-        masks_all = step_masks(everything, cfg.ttt_len)
-        denom = torch.stack([m.sum() for m in masks]).float()
-        tl = head.draft_logits(batch["last_hidden"])
-        with amp_ctx():
-            _, st = model(batch, tl, masks, denom, masks_all=masks_all)
-        stats += st
-    model.train()
-    return summarize(all_sum(stats, d))
+    st = evaluate_stats(model, reader, indices, argmax, t2d, head, cfg.batch_size, cfg.max_len,
+                        device, amp_ctx, d.rank, d.world)  # fmt: skip
+    return summarize(all_sum(st, d))
 
 
 # ---------------------------------------------------------------- CLI

@@ -12,6 +12,13 @@ Loss: sum_i decay^i * soft-CE_i, each step normalized by its token count over th
 batch. `ttt_sample < 1` unrolls steps >= 1 for a random subset of positions only (each
 sampled chain is exactly the full unroll there): the unroll, not step 0, is what makes TTT
 costly.
+
+Speed (benchmarks/bench_train.py): the soft cross-entropy is one chunked autograd function
+(`soft_ce`: no [N, V] log-prob, product or upcast tensors kept; chunks stay below glibc's
+32 MB mmap threshold, so no page faults per step), the target rows are gathered by flat index
+(the target softmax runs on the scored rows only), and the attention is
+`model.ttt_attention`. `TTTModel(reference=True)` is the earlier formulation, kept as the
+baseline the tests and the benchmark compare against.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.draft.model import Eagle3Draft
+from workbench.draft.model import TTTKV, Eagle3Draft
 from workbench.metrics import simulated_tau_curve
 
 
@@ -52,12 +59,62 @@ def step_masks(
 # ---------------------------------------------------------------- the TTT unroll
 
 
-class TTTModel(nn.Module):
-    """The unrolled training-time test as one module (one forward per backward under DDP)."""
+class _SoftCE(torch.autograd.Function):
+    """Per-row -sum(softmax(t) * log_softmax(z)) = logsumexp(z) - sum(softmax(t) * z), and
+    argmax(z); gradient (softmax(z) - softmax(t)) * g. fp32 math, `chunk` rows at a time."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_len: int, decay: float) -> None:
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, t: torch.Tensor, chunk: int):
+        N = z.shape[0]
+        ce = torch.empty(N, dtype=torch.float32, device=z.device)
+        top = torch.empty(N, dtype=torch.long, device=z.device)
+        p = torch.empty(t.shape, dtype=torch.float32, device=z.device)
+        for a in range(0, N, chunk):
+            zc = z[a : a + chunk].float()
+            pc = p[a : a + chunk]
+            torch.softmax(t[a : a + chunk].float(), -1, out=pc)
+            ce[a : a + chunk] = zc.logsumexp(-1) - (pc * zc).sum(-1)
+            top[a : a + chunk] = zc.argmax(-1)
+        ctx.save_for_backward(z, p)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(top)
+        return ce, top
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _top: torch.Tensor):
+        z, p = ctx.saved_tensors
+        gz = torch.empty_like(z)
+        c = ctx.chunk
+        for a in range(0, z.shape[0], c):
+            sz = z[a : a + c].float().softmax(-1)
+            gz[a : a + c] = (sz.sub_(p[a : a + c])).mul_(g[a : a + c, None])
+        return gz, None, None
+
+
+def soft_ce(
+    z: torch.Tensor, t: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(soft cross-entropy of draft logits z [N, V] against softmax(t) [N, V], argmax(z)).
+
+    Equals `-(t.softmax(-1) * z.float().log_softmax(-1)).sum(-1)` up to float rounding (the
+    target rows sum to 1), in one pass per chunk forward and one backward.
+    """
+    return _SoftCE.apply(z, t.detach(), chunk)
+
+
+class TTTModel(nn.Module):
+    """The unrolled training-time test as one module (one forward per backward under DDP).
+
+    `reference=True`: the earlier formulation (full-batch target softmax, boolean gathers,
+    log-softmax loss, `ttt_attention_reference`), the baseline for tests and benchmarks.
+    """
+
+    def __init__(
+        self, draft: Eagle3Draft, ttt_len: int, decay: float, reference: bool = False
+    ) -> None:
         super().__init__()
         self.draft, self.ttt_len, self.decay = draft, ttt_len, decay
+        self.reference = reference
 
     def forward(
         self,
@@ -82,11 +139,13 @@ class TTTModel(nn.Module):
         ids = batch["input_ids"]
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)[None].expand(B, T)
-        tprob = tlogits.float().softmax(-1)
+        ref = self.reference
+        tprob = tlogits.float().softmax(-1) if ref else None
+        tflat = tlogits.reshape(B * T, -1)
         targ = tlogits.argmax(-1)
         ids_ext = F.pad(ids, (0, self.ttt_len + 1)) if idx is not None else None
         h = batch["aux_hidden"]
-        kv: list = []
+        kv = TTTKV(reference=ref)
         loss = torch.zeros((), device=ids.device)
         stats = torch.zeros(self.ttt_len, 9, device=ids.device)
         prefix = torch.ones(B, T, dtype=torch.bool, device=ids.device)  # steps < i all correct
@@ -101,8 +160,8 @@ class TTTModel(nn.Module):
                 in_ids = F.pad(ids[:, s:], (0, s))
                 _, h = d(in_ids, h, pos + i, ttt=kv, logits=False)
                 hs = h[:, :L][m]
-                p = tprob[:, s:][m]
-                tg = targ[:, s:][m]
+                rows, cols = m.nonzero(as_tuple=True)
+                at = cols + s
                 ok = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
             else:
                 if i == 1:
@@ -111,14 +170,19 @@ class TTTModel(nn.Module):
                 _, h = d(ids_ext.gather(1, idx + s), h, idx + i, ttt=kv, ttt_pos=idx, logits=False)
                 hs = h[m]
                 rows, cols = m.nonzero(as_tuple=True)
-                p = tprob[rows, idx[rows, cols] + s]
-                tg = targ[rows, idx[rows, cols] + s]
+                at = idx[rows, cols] + s
                 ok = torch.zeros_like(m)
-            logp = d.lm_head(d.norm(hs)).float().log_softmax(-1)
-            ce = -(p * logp).sum(-1)
+            tg = targ[rows, at]
+            z = d.lm_head(d.norm(hs))
+            if ref:
+                p = tprob[:, s:][m] if idx is None or i == 0 else tprob[rows, at]
+                logp = z.float().log_softmax(-1)
+                ce, top = -(p * logp).sum(-1), logp.argmax(-1)
+            else:
+                ce, top = soft_ce(z, tflat.index_select(0, rows * T + at))
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
-                ok[m] = logp.argmax(-1) == tg
+                ok[m] = top == tg
                 stats[i, 0] = ce.sum().detach()
                 stats[i, 1:5], prefix = _step_counts(ok, m, prefix)
                 if masks_all is not None:
