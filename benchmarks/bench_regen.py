@@ -1,13 +1,18 @@
 """Regeneration throughput: HF `generate` vs `workbench.generate.generate_batch`.
 
 Same chat-templated prompts, greedy, on the embedded target. Ends with one `RESULT` line.
+--chunk-size N also runs `workbench.data.regenerate` in chunks of N prompts twice in this
+process, the batch drained at each chunk end (the old way) and refilled across chunks, and
+prints both (tok/s, decode steps, occupancy); --regen-only skips the HF / generate_batch table.
 Usage: python benchmarks/bench_regen.py [--n-prompts 64] [--max-new-tokens 64] [--quick]
+       [--chunk-size 16 --batch 16 --regen-only --dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import tempfile
 import time
 
 import torch
@@ -62,6 +67,37 @@ def hf_generate(model, tok, prompts, max_new, eos, batch) -> tuple[int, float]:
     return n_tok, time.perf_counter() - t0
 
 
+def regen_paths(t, n: int, m: int, args) -> None:
+    """`regenerate` per chunk (drained tails) vs across chunks on the first n training prompts
+    (some have 2 turns, as in a pipeline run), one line each, in this process."""
+    from workbench.data import RegenConfig, load_train_prompts, regenerate
+
+    qs = load_train_prompts()[:n]
+    print(f"regenerate: {n} training prompts, {sum(len(q.turns) for q in qs)} turns")
+    res = {}
+    for dt in args.dtypes.split(","):
+        for cross in (False, True):
+            cfg = RegenConfig(max_new_tokens=m, batch_size=args.batch, chunk_size=args.chunk_size,
+                              dtype=dt)  # fmt: skip
+            with tempfile.TemporaryDirectory() as d:
+                info = regenerate(t, qs, d, cfg, progress=False, cross_chunk=cross)
+            res[(dt, cross)] = info["tok_s"]
+            print(f"  regenerate {dt} chunk {args.chunk_size} batch {args.batch} "
+                  f"{'cross-chunk' if cross else 'per-chunk  '}: {info['new_tokens_this_run']} "
+                  f"tokens {info['seconds_this_run']}s {info['tok_s']} tok/s, "
+                  f"{info['decode_steps']} steps, occupancy {info['occupancy']}", flush=True)  # fmt: skip
+    for dt in args.dtypes.split(","):
+        print(f"regenerate {dt}: cross-chunk / per-chunk tok/s = "
+              f"{res[(dt, True)] / res[(dt, False)]:.2f}")  # fmt: skip
+    if "bfloat16" in args.dtypes and "float32" in args.dtypes:
+        print(f"regenerate cross-chunk bfloat16 / float32 tok/s = "
+              f"{res[('bfloat16', True)] / res[('float32', True)]:.2f}")  # fmt: skip
+    if args.regen_only:
+        dt = args.dtypes.split(",")[0]
+        print(f"RESULT regen_tok_s={res[(dt, True)]:.1f} per_chunk_tok_s={res[(dt, False)]:.1f} "
+              f"speedup={res[(dt, True)] / res[(dt, False)]:.2f} dtype={dt} batch={args.batch}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-prompts", type=int, default=64, help="64: batch 64 gets full rows")
@@ -69,6 +105,10 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="8 prompts, 16 new tokens")
+    ap.add_argument("--chunk-size", type=int, default=0, help="also compare regenerate paths")
+    ap.add_argument("--batch", type=int, default=32, help="regenerate batch size")
+    ap.add_argument("--dtypes", default="bfloat16", help="regenerate dtypes, comma separated")
+    ap.add_argument("--regen-only", action="store_true", help="skip HF and generate_batch")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -82,6 +122,10 @@ def main() -> None:
     n, m = len(prompts), args.max_new_tokens
     print(f"{n} prompts, {sum(map(len, prompts))} prompt tokens, max_new_tokens {m}")
 
+    if args.chunk_size:
+        regen_paths(t, n, m, args)
+    if args.regen_only:
+        return
     rows = []  # (name, tokens, seconds, tok/s)
     hf16 = copy.deepcopy(t.model).to(torch.bfloat16)
     hf_generate(hf16, tok, prompts[:2], 2, eos, 2)  # warm-up

@@ -299,3 +299,44 @@ def test_regeneration_builds_the_llama_once_and_locks_its_folder(
             InUseError, match=rf"regeneration folder .* in use by pid {os.getpid()}"
         ):
             regenerate(tiny_target, prompts, tmp_path / "r", cfg, progress=False)
+
+
+def test_cross_chunk_refill_gives_the_per_chunk_answers(tiny_target, tmp_path):
+    from workbench.data import eos_ids, prompt_ids
+    from workbench.generate import generate_batch
+
+    prompts = [
+        Prompt(f"p{i}", "t", [f"Say {i}."] + (["Why?"] if i % 3 == 0 else [])) for i in range(7)
+    ]
+    cfg = RegenConfig(max_new_tokens=8, chunk_size=3, batch_size=4, dtype="float32", samples=2,
+                      sample_temperature=1.0)  # fmt: skip
+    cross = regenerate(tiny_target, prompts, tmp_path / "cross", cfg, progress=False)
+    per = regenerate(tiny_target, prompts, tmp_path / "per", cfg, progress=False,
+                     cross_chunk=False)  # fmt: skip
+    names = sorted(p.name for p in (tmp_path / "cross").glob("chunk-*.jsonl"))
+    assert names == sorted(p.name for p in (tmp_path / "per").glob("chunk-*.jsonl"))
+    assert len(names) == 5  # 14 answers (7 greedy + 7 sampled) in chunks of 3
+    a, b = read_regenerated(tmp_path / "cross"), read_regenerated(tmp_path / "per")
+    assert [p.id for p in a] == [p.id for p in b] and all(p.complete for p in a)
+    greedy = [p for p in a if "@" not in p.id]
+    assert greedy == [p for p in b if "@" not in p.id]
+    # sampled answers draw from their own generators, seeded as in the per-chunk run; the
+    # tiny random model's flat distributions let a batch's float rounding flip a draw, so
+    # only their first turns' first words are compared
+    sampled = [(p, q) for p, q in zip(a, b, strict=True) if "@" in p.id]
+    assert sum(p.answers[0][:6] == q.answers[0][:6] for p, q in sampled) >= len(sampled) - 1
+    assert all(p.answers[0] != g.answers[0] for (p, _), g in zip(sampled, greedy, strict=True))
+    # the same tokens in fewer forwards: no batch drained (or compacted) at each chunk end
+    assert cross["decode_steps"] < per["decode_steps"]
+    assert cross["new_tokens_this_run"] > 0
+    # the greedy answers are plain generate_batch's, turn by turn (the per-chunk code's path)
+    tok, eos = tiny_target.tokenizer, eos_ids(tiny_target.tokenizer)
+    done = {p.id: p for p in read_regenerated(tmp_path / "cross")}
+    for turn in (0, 1):
+        ps = [done[p.id] for p in prompts if len(p.turns) > turn]
+        ids = [prompt_ids(tok, Prompt(p.id, "t", p.turns[: turn + 1], p.answers[:turn]).messages())
+               for p in ps]  # fmt: skip
+        outs = generate_batch(tiny_target.model, ids, 8, eos, dtype="float32", progress=False)
+        for p, o in zip(ps, outs, strict=True):
+            want = tok.decode([t for t in o if t not in eos], skip_special_tokens=True).strip()
+            assert p.answers[turn] == want, (p.id, turn)

@@ -208,3 +208,52 @@ def test_embedded_target_matches_hf_generate():
             assert g == o[0, len(p) :].tolist()
     bf = generate_batch(t.model, prompts, 16, [eos], dtype="bfloat16", progress=False)
     assert all(0 < len(r) <= 16 for r in bf)
+
+
+def test_queue_rows_sample_independently_of_their_batch(model):
+    from workbench.generate import RequestQueue, run_queue
+
+    llm = Llama(model, torch.float32)
+    prompts = [rand_ids(n, 40 + n) for n in (4, 9, 2, 7, 3)]
+
+    def run(keys, temperature, top_p=1.0, batch=4):
+        got = {}
+        q = RequestQueue(got.__setitem__)
+        for k in keys:
+            q.push(k, prompts[k], priority=k, temperature=temperature, seed=100 + k)
+        run_queue(llm, q, 10, None, q.sampler(top_p), batch, GenerationStats())
+        return got
+
+    alone = run([1], 0.9)
+    shared = run(range(5), 0.9)
+    assert shared[1] == alone[1] and run(range(5), 0.9) == shared  # batch-free, reproducible
+    assert len({tuple(v) for v in shared.values()}) == 5
+    greedy = generate_batch(llm, prompts, 10, None, progress=False)
+    assert run(range(5), 0.0, batch=2) == dict(enumerate(greedy))
+    assert run(range(5), 1.0, top_p=1e-9) == dict(enumerate(greedy))
+    assert run(range(5), 0.9) != dict(enumerate(greedy))
+
+
+def test_queue_takes_requests_pushed_while_decoding(model):
+    """Follow-ups arrive after the batch was compacted: it grows back, and longer prompts
+    than any before get a longer cache."""
+    from workbench.generate import RequestQueue, run_queue
+
+    llm = Llama(model, torch.float32)
+    got = {}
+
+    def on_done(key, toks):
+        got[key] = toks
+        if key < 10:  # a "next turn": the prompt plus its answer plus more
+            q.push(key + 10, prompts[key] + toks + [7, 8, 9], priority=1)
+
+    q = RequestQueue(on_done)
+    prompts = [rand_ids(n, 60 + n) for n in (5, 3)]
+    for k, p in enumerate(prompts):
+        q.push(k, p)
+    st = run_queue(llm, q, 6, None, q.sampler(1.0), 4, GenerationStats())
+    follow = [prompts[k] + got[k] + [7, 8, 9] for k in range(2)]
+    assert [got[k + 10] for k in range(2)] == generate_batch(llm, follow, 6, None, progress=False)
+    assert got[0] + got[1] == sum(generate_batch(llm, prompts, 6, None, progress=False), [])
+    # 2 x 5 decode steps, each on 2 rows of the 4: compacted, grown back, compacted again
+    assert (st.steps, st.row_steps, st.new_tokens) == (10, 20, 24)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.metadata
-import itertools
 import json
 import os
 import time
@@ -416,20 +415,27 @@ def regenerate(
     out_dir: str | os.PathLike,
     cfg: RegenConfig | None = None,
     progress: bool = True,
+    cross_chunk: bool = True,
 ) -> dict:
     """Have the target answer every user turn; resumable chunk by chunk.
 
-    Writes `chunk-NNNNN.jsonl` files (each complete or absent) plus `regen.json`
-    (arguments, counts, tokens/s). A rerun with the same arguments skips finished chunks;
-    different arguments into the same directory are refused.
+    Writes `chunk-NNNNN.jsonl` files (each complete or absent, written as soon as its last
+    answer is in) plus `regen.json` (arguments, counts, tokens/s, batch occupancy). A rerun
+    with the same arguments skips finished chunks; different arguments into the same
+    directory are refused. cross_chunk: one batch refilled across all chunks left (a chunk
+    is only a write boundary); False drains the batch at every chunk end (the old way, kept
+    for benchmarks). Each answer's tokens do not depend on the batch: greedy ones are the
+    argmax, sampled ones draw from their own generator.
     """
     cfg = cfg or RegenConfig()
     with locked_dir(out_dir, "regeneration folder"):
-        return _regenerate(target, prompts, Path(out_dir), cfg, progress)
+        return _regenerate(target, prompts, Path(out_dir), cfg, progress, cross_chunk)
 
 
-def _regenerate(target, prompts: list[Prompt], out: Path, cfg: RegenConfig, progress: bool) -> dict:
-    from workbench.generate import generate_batch
+def _regenerate(
+    target, prompts: list[Prompt], out: Path, cfg: RegenConfig, progress: bool, cross_chunk: bool
+) -> dict:
+    from workbench.generate import GenerationStats
     from workbench.llama import Llama
     from workbench.progress import progress as tqdm
 
@@ -447,61 +453,76 @@ def _regenerate(target, prompts: list[Prompt], out: Path, cfg: RegenConfig, prog
             f"{out} holds a regeneration started with different arguments:\n{diff}\n"
             f"Use a new output directory, or delete {out} to start over."
         )
-    eos = eos_ids(target.tokenizer)
     chunks = [prompts[i : i + cfg.chunk_size] for i in range(0, len(prompts), cfg.chunk_size)]
-    llm = None  # built (weights fused) once, only if some chunk is left to generate
-    new_tokens, seconds = 0, 0.0
-    bar = tqdm(total=len(chunks), desc="regenerate (chunks)", disable=not progress, unit="chunk")
-    for ci, chunk in enumerate(chunks):
-        path = out / f"chunk-{ci:05d}.jsonl"
-        if path.exists():
-            bar.update(1)
-            continue
-        answered = chunk  # fresh copies with no answers yet (made by _expand_samples)
-        n_turns = max(len(p.turns) for p in chunk)
-        for turn, extra in itertools.product(range(n_turns), (False, True)):
-            todo = [p for p in answered if len(p.turns) > turn and (p.id != base_id(p.id)) == extra]
-            if not todo:
-                continue
-            ids = [
-                prompt_ids(target.tokenizer, p.messages(turn + 1))[-cfg.max_prompt_tokens :]
-                for p in todo
-            ]
-            t0 = time.perf_counter()
-            llm = llm or Llama(target.model, cfg.dtype)
-            outs = generate_batch(
-                llm,
-                ids,
-                max_new_tokens=cfg.max_new_tokens,
-                eos_token_ids=eos,
-                temperature=cfg.sample_temperature if extra else cfg.temperature,
-                top_p=cfg.top_p,
-                seed=cfg.seed + ci * 1000 + turn + 500 * extra,  # first answers: as before
-                batch_size=cfg.batch_size,
-                dtype=cfg.dtype,
-                progress=progress,
-            )
-            seconds += time.perf_counter() - t0
-            for p, toks in zip(todo, outs, strict=True):
-                new_tokens += len(toks)
-                text = target.tokenizer.decode(
-                    [t for t in toks if t not in eos], skip_special_tokens=True
-                )
-                p.answers.append(text.strip())
-        atomic_write_text(path, "".join(json.dumps(asdict(p)) + "\n" for p in answered))
-        bar.update(1)
-        if seconds:
-            bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
+    todo = [ci for ci in range(len(chunks)) if not _chunk_path(out, ci).exists()]
+    stats = GenerationStats()
+    bar = tqdm(total=len(chunks), initial=len(chunks) - len(todo), desc="regenerate (chunks)",
+               disable=not progress, unit="chunk")  # fmt: skip
+    if todo:
+        llm = Llama(target.model, cfg.dtype)  # built (weights packed) once for every chunk
+        for group in [todo] if cross_chunk else [[ci] for ci in todo]:
+            _answer_chunks(llm, target, chunks, group, out, cfg, stats, bar, progress)
     bar.close()
     info = {
         **args,
         "chunks": len(chunks),
-        "new_tokens_this_run": new_tokens,
-        "seconds_this_run": round(seconds, 2),
-        "tok_s": round(new_tokens / seconds, 1) if seconds else None,
+        "new_tokens_this_run": stats.new_tokens,
+        "seconds_this_run": round(stats.seconds, 2),
+        "tok_s": round(stats.tok_s, 1) if stats.seconds else None,
+        "decode_steps": stats.steps,  # forwards of the whole batch
+        "occupancy": round(stats.occupancy, 3) if stats.row_steps else None,
     }
     atomic_write_text(out / "regen.json", json.dumps(info, indent=2))
     return info
+
+
+def _chunk_path(out: Path, ci: int) -> Path:
+    return out / f"chunk-{ci:05d}.jsonl"
+
+
+def _answer_chunks(llm, target, chunks, todo, out, cfg, stats, bar, progress) -> None:
+    """Answer every turn of chunks `todo` in one continuously refilled batch; a prompt's next
+    turn is queued as its answer comes in, a chunk file written once its last turn is in."""
+    from workbench.generate import RequestQueue, run_queue
+    from workbench.progress import progress as tqdm
+
+    tok, eos = target.tokenizer, eos_ids(target.tokenizer)
+    items = [(ci, j, p) for ci in todo for j, p in enumerate(chunks[ci])]
+    turns_left = {ci: sum(len(p.turns) for p in chunks[ci]) for ci in todo}
+
+    def push(key: int) -> None:
+        ci, j, p = items[key]
+        turn, extra = len(p.answers), p.id != base_id(p.id)
+        ids = prompt_ids(tok, p.messages(turn + 1))[-cfg.max_prompt_tokens :]
+        seed = (cfg.seed + ci * 1000 + turn + 500 * extra) * 1_000_003 + j  # per answer
+        temperature = cfg.sample_temperature if extra else cfg.temperature
+        queue.push(key, ids, (ci, turn, len(ids)), temperature, seed)
+
+    def on_done(key: int, toks: list[int]) -> None:
+        ci, _, p = items[key]
+        text = tok.decode([t for t in toks if t not in eos], skip_special_tokens=True)
+        p.answers.append(text.strip())
+        turns_left[ci] -= 1
+        if len(p.answers) < len(p.turns):
+            push(key)
+        if turns_left[ci] == 0:
+            atomic_write_text(_chunk_path(out, ci),
+                              "".join(json.dumps(asdict(q)) + "\n" for q in chunks[ci]))  # fmt: skip
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{stats.new_tokens / (time.perf_counter() - t0):.0f}")
+
+    queue = RequestQueue(on_done)
+    for key in range(len(items)):
+        push(key)
+    total = sum(len(p.turns) for _, _, p in items) * cfg.max_new_tokens
+    gbar = tqdm(total=total, unit="tok", desc="generate", disable=not progress, smoothing=0.1)
+    t0 = time.perf_counter()
+    try:
+        run_queue(llm, queue, cfg.max_new_tokens, eos, queue.sampler(cfg.top_p),
+                  min(cfg.batch_size, len(items)), stats, gbar)  # fmt: skip
+    finally:
+        gbar.close()
+    stats.prompts += len(items)
 
 
 def read_regenerated(out_dir: str | os.PathLike) -> list[Prompt]:

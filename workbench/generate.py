@@ -6,16 +6,20 @@ throughput comes from keeping the batch full with no per-step Python work per ro
 
 - prompts are sorted by length and fed in groups, so prefill padding stays small;
 - each decode step is one forward of [B, 1] tokens plus vectorized bookkeeping;
-- rows that finish (eos inclusive, or `max_new_tokens`) are refilled with the next prompts
-  (prefilled together in a side cache, then copied in) once a quarter of the batch is free;
-  when no prompts are left the batch is compacted each time half of it has finished.
+- rows that finish (eos inclusive, or `max_new_tokens`) are refilled with the next queued
+  requests (prefilled together in a side cache, then copied in) once a quarter of the batch
+  is free; when nothing is queued the batch is compacted each time half of it has finished;
+- a `RequestQueue` takes follow-ups (a conversation's next turn) while it decodes, so one
+  batch spans all the chunks of a regeneration instead of draining at each chunk end.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,10 +74,8 @@ def _as_llama(model, dtype) -> Llama:
     return Llama(model, dtype)
 
 
-def _prefill(
-    llm: Llama, prompts: list[list[int]], chunk_tokens: int, sampler
-) -> tuple[KVCache, Tensor]:
-    """Prefill a group of prompts into a fresh side cache; returns (cache, first tokens)."""
+def _prefill(llm: Llama, prompts: list[list[int]], chunk_tokens: int) -> tuple[KVCache, Tensor]:
+    """Prefill a group of prompts into a fresh side cache; returns (cache, last logits)."""
     n, lens = len(prompts), [len(p) for p in prompts]
     T = max(lens)
     chunk = max(1, min(T, chunk_tokens // n))
@@ -88,7 +90,181 @@ def _prefill(
         out = llm(ids[:, off : off + chunk], cache, n_valid=nv, logits="last")
         ends = (lens_t > off) & (lens_t <= off + chunk)
         last = out.logits if last is None else torch.where(ends[:, None], out.logits, last)
-    return cache, sampler(last.float())
+    return cache, last
+
+
+class RequestQueue:
+    """Prompts waiting for a batch row, smallest priority first; more may come while decoding.
+
+    `on_done(key, tokens)` runs as each request finishes and may `push` follow-ups (the next
+    turn of a conversation), so one batch can span work that a caller splits into files.
+    Each request has its own temperature and, when sampled, its own generator: its tokens
+    then do not depend on which other requests share the batch.
+    """
+
+    def __init__(self, on_done: Callable[[int, list[int]], None]) -> None:
+        self.on_done = on_done
+        self._heap: list[tuple[Any, int, list[int]]] = []
+        self.temperature: dict[int, float] = {}
+        self.gen: dict[int, torch.Generator] = {}
+
+    def push(self, key: int, ids: Sequence[int], priority: Any = 0,
+             temperature: float = 0.0, seed: int | None = None) -> None:  # fmt: skip
+        if len(ids) == 0:
+            raise ValueError("empty prompt")
+        heapq.heappush(self._heap, (priority, key, list(map(int, ids))))
+        self.temperature[key] = temperature
+        if temperature > 0:
+            self.gen[key] = torch.Generator().manual_seed(seed if seed is not None else key)
+
+    def available(self) -> int:
+        return len(self._heap)
+
+    def longest(self) -> int:
+        return max((len(ids) for _, _, ids in self._heap), default=0)
+
+    def take(self, n: int) -> list[tuple[int, list[int]]]:
+        return [heapq.heappop(self._heap)[1:] for _ in range(min(n, len(self._heap)))]
+
+    def finish(self, key: int, tokens: list[int]) -> None:
+        self.temperature.pop(key, None)
+        self.gen.pop(key, None)
+        self.on_done(key, tokens)
+
+    def sampler(self, top_p: float) -> Callable[[Tensor, Tensor], Tensor]:
+        """Per-row sampling: greedy rows take the argmax, sampled rows draw from their own
+        generator (one uniform per row and step, inverse CDF over the top-p set)."""
+
+        def sample_rows(logits: Tensor, keys: Tensor) -> Tensor:
+            tok = logits.argmax(-1)
+            rows = [b for b, k in enumerate(keys.tolist()) if self.temperature.get(k, 0) > 0]
+            if not rows:
+                return tok
+            ks = [int(keys[b]) for b in rows]
+            temps = torch.tensor([self.temperature[k] for k in ks])[:, None]
+            probs = torch.softmax(logits[rows].float() / temps, dim=-1)
+            p, idx = probs.sort(dim=-1, descending=True)
+            if top_p < 1.0:
+                p = p.masked_fill(p.cumsum(-1) - p > top_p, 0.0)
+            cdf = p.cumsum(-1)
+            u = torch.cat([torch.rand(1, generator=self.gen[k]) for k in ks])[:, None]
+            pick = torch.searchsorted(cdf, u * cdf[:, -1:]).clamp(max=cdf.shape[1] - 1)
+            tok[rows] = idx.gather(-1, pick).squeeze(-1)
+            return tok
+
+        return sample_rows
+
+
+def _resized(cache: KVCache, rows: Tensor, batch: int, max_len: int) -> KVCache:
+    """A cache of `batch` rows x `max_len` slots whose first rows are `rows` of `cache`."""
+    s = int(cache.lengths[rows].max()) if len(rows) else 0
+    out = KVCache.allocate(cache.k.shape[0], batch, cache.k.shape[2], max_len,
+                           cache.k.shape[4], cache.k.dtype, cache.k.device)  # fmt: skip
+    n = len(rows)
+    out.k[:, :n, :, :s] = cache.k[:, rows, :, :s]
+    out.v[:, :n, :, :s] = cache.v[:, rows, :, :s]
+    out.lengths[:n], out.start[:n] = cache.lengths[rows], cache.start[rows]
+    return out
+
+
+@torch.no_grad()
+def run_queue(
+    llm: Llama,
+    queue: RequestQueue,
+    max_new_tokens: int,
+    eos_token_ids: int | Sequence[int] | None,
+    sampler: Callable[[Tensor, Tensor], Tensor],
+    batch_size: int,
+    stats: GenerationStats,
+    bar=None,
+    prefill_tokens: int = 2048,
+    refill_frac: float = 0.25,
+) -> GenerationStats:
+    """Decode until `queue` is empty and every row has finished (continuous batching).
+
+    `sampler(logits [B, V], keys [B])` picks the next tokens (keys: request per row, -1 free).
+    Free rows are refilled once `refill_frac` of the batch is free; with nothing queued the
+    batch is compacted each time half of it has finished, and grown back if requests arrive.
+    """
+    t0 = time.perf_counter()
+    eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
+    eos_t = torch.tensor(eos or [-1], dtype=torch.long)
+    full = B = max(1, batch_size)
+    cache = llm.new_cache(B, queue.longest() + max_new_tokens)
+    pid = torch.full((B,), -1, dtype=torch.long)  # request key per row, -1 = free
+    active = torch.zeros(B, dtype=torch.bool)
+    count = torch.zeros(B, dtype=torch.long)  # tokens generated per row
+    out = torch.zeros(B, max_new_tokens, dtype=torch.long)
+    tok = torch.zeros(B, dtype=torch.long)  # last sampled token per row
+
+    def finish_rows(done: Tensor) -> None:
+        rows = done.nonzero().flatten().tolist()
+        finished = [(int(pid[b]), out[b, : int(count[b])].tolist()) for b in rows]
+        active[done] = False
+        pid[done] = -1
+        for key, toks in finished:
+            queue.finish(key, toks)
+
+    while True:
+        left = queue.available()
+        if left and B < full:  # requests came after a compaction: make room again
+            keep = torch.arange(B)
+            cache = _resized(cache, keep, full, cache.max_len)
+            pad = full - B
+            pid = torch.cat([pid, torch.full((pad,), -1, dtype=torch.long)])
+            active = torch.cat([active, torch.zeros(pad, dtype=torch.bool)])
+            count, tok = (torch.cat([t, torch.zeros(pad, dtype=torch.long)]) for t in (count, tok))
+            out = torch.cat([out, torch.zeros(pad, max_new_tokens, dtype=torch.long)])
+            B = full
+        free = (~active).nonzero().flatten()
+        if left and (len(free) >= max(1, int(refill_frac * B)) or not active.any()):
+            tp = time.perf_counter()
+            group = queue.take(len(free))
+            rows = free[: len(group)]
+            keys = torch.tensor([k for k, _ in group])
+            need = max(len(ids) for _, ids in group) + max_new_tokens
+            if need > cache.max_len:  # a longer prompt (a later turn) than any before
+                cache = _resized(cache, torch.arange(B), B, max(need, cache.max_len * 5 // 4))
+            side, last = _prefill(llm, [ids for _, ids in group], prefill_tokens)
+            first = sampler(last.float(), keys)
+            L = int(side.lengths.max())
+            cache.k[:, rows, :, :L] = side.k[:, :, :, :L]
+            cache.v[:, rows, :, :L] = side.v[:, :, :, :L]
+            cache.lengths[rows], cache.start[rows] = side.lengths, 0
+            pid[rows], active[rows], tok[rows] = keys, True, first
+            out[rows, 0], count[rows] = first, 1
+            stats.prefill_seconds += time.perf_counter() - tp
+            stats.new_tokens += len(rows)
+            if bar is not None:
+                bar.update(len(rows))
+            done = active & (torch.isin(tok, eos_t) | (count >= max_new_tokens))
+            if done.any():
+                finish_rows(done)
+            continue
+        n_active = int(active.sum())
+        if n_active == 0:
+            break
+        if not left and n_active <= B // 2 and B > 1:  # compact the tail
+            keep = active.nonzero().flatten()
+            cache = _resized(cache, keep, len(keep), cache.max_len)
+            pid, active, count, tok, out = (t[keep] for t in (pid, active, count, tok, out))
+            B = len(keep)
+        # hot path: one forward for all rows; free rows re-write their own current slot
+        logits = llm(tok[:, None], cache, n_valid=active.long(), logits="all").logits[:, 0]
+        nxt = sampler(logits, pid)
+        stats.steps += 1
+        stats.row_steps += B
+        tok = torch.where(active, nxt, tok)
+        out[torch.arange(B), count.clamp(max=max_new_tokens - 1)] = tok
+        count = count + active.long()
+        stats.new_tokens += n_active
+        if bar is not None:
+            bar.update(n_active)
+        done = active & (torch.isin(tok, eos_t) | (count >= max_new_tokens))
+        if done.any():
+            finish_rows(done)
+    stats.seconds += time.perf_counter() - t0
+    return stats
 
 
 @torch.no_grad()
@@ -131,83 +307,23 @@ def generate_batch_with_stats(
     results: list[list[int]] = [[] for _ in prompts]
     if not prompts or max_new_tokens <= 0:
         return results, stats
-    eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
-    eos_t = torch.tensor(eos or [-1], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-
-    def sampler(logits: Tensor) -> Tensor:
-        return sample(logits, temperature, top_p, gen)
-
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    B = max(1, min(batch_size, len(prompts)))
-    max_len = max(map(len, prompts)) + max_new_tokens
-    cache = llm.new_cache(B, max_len)
-    pid = torch.full((B,), -1, dtype=torch.long)  # prompt index per row, -1 = free
-    active = torch.zeros(B, dtype=torch.bool)
-    count = torch.zeros(B, dtype=torch.long)  # tokens generated per row
-    out = torch.zeros(B, max_new_tokens, dtype=torch.long)
-    tok = torch.zeros(B, dtype=torch.long)  # last sampled token per row
-    nxt_prompt = 0
+    queue = RequestQueue(results.__setitem__)
+    for i, p in enumerate(prompts):  # shortest first, so prefill groups pad little
+        queue.push(i, p, priority=len(p))
     bar = None
     if progress:
         from workbench.progress import progress as tqdm
 
         bar = tqdm(total=len(prompts) * max_new_tokens, unit="tok", desc="generate",
                    dynamic_ncols=True, smoothing=0.1)  # fmt: skip
-
-    def finish_rows(done: Tensor) -> None:
-        for b in done.nonzero().flatten().tolist():
-            results[int(pid[b])] = out[b, : int(count[b])].tolist()
-        active[done] = False
-        pid[done] = -1
-
-    while True:
-        free = (~active).nonzero().flatten()
-        left = len(prompts) - nxt_prompt
-        if left and (len(free) >= max(1, int(refill_frac * B)) or not active.any()):
-            rows = free[: min(len(free), left)]
-            group = order[nxt_prompt : nxt_prompt + len(rows)]
-            nxt_prompt += len(rows)
-            tp = time.perf_counter()
-            side, first = _prefill(llm, [prompts[i] for i in group], prefill_tokens, sampler)
-            L = int(side.lengths.max())
-            cache.k[:, rows, :, :L] = side.k[:, :, :, :L]
-            cache.v[:, rows, :, :L] = side.v[:, :, :, :L]
-            cache.lengths[rows], cache.start[rows] = side.lengths, 0
-            pid[rows], active[rows], tok[rows] = torch.tensor(group), True, first
-            out[rows, 0], count[rows] = first, 1
-            stats.prefill_seconds += time.perf_counter() - tp
-            stats.new_tokens += len(rows)
-            done = active & (torch.isin(tok, eos_t) | (count >= max_new_tokens))
-            if done.any():
-                finish_rows(done)
-            if bar is not None:
-                bar.update(len(rows))
-            continue
-        n_active = int(active.sum())
-        if n_active == 0:
-            break
-        if not left and n_active <= cache.batch // 2 and cache.batch > 1:  # compact the tail
-            keep = active.nonzero().flatten()
-            cache = cache.select(keep)
-            pid, active, count, tok, out = (t[keep] for t in (pid, active, count, tok, out))
-            B = len(keep)
-        # hot path: one forward for all rows; free rows re-write their own current slot
-        logits = llm(tok[:, None], cache, n_valid=active.long(), logits="all").logits[:, 0]
-        nxt = sampler(logits)
-        stats.steps += 1
-        stats.row_steps += B
-        tok = torch.where(active, nxt, tok)
-        out[torch.arange(B), count.clamp(max=max_new_tokens - 1)] = tok
-        count = count + active.long()
-        stats.new_tokens += n_active
+    try:
+        run_queue(llm, queue, max_new_tokens, eos_token_ids,
+                  lambda logits, _keys: sample(logits, temperature, top_p, gen),
+                  min(batch_size, len(prompts)), stats, bar, prefill_tokens, refill_frac)  # fmt: skip
+    finally:
         if bar is not None:
-            bar.update(n_active)
-        done = active & (torch.isin(tok, eos_t) | (count >= max_new_tokens))
-        if done.any():
-            finish_rows(done)
-    if bar is not None:
-        bar.close()
+            bar.close()
     stats.seconds = time.perf_counter() - t0
     return results, stats
 
