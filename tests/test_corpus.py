@@ -17,6 +17,7 @@ from workbench.corpus import (
     overlaps,
     stdlib_functions,
     tokenizer_counter,
+    with_prefill,
     write_prompts,
 )
 from workbench.data import Prompt, encode_conversation, load_mtbench, load_prompt_set
@@ -180,3 +181,15 @@ def test_mix_refuses_bad_input(tmp_path, capsys):
     rc = main(["mix", "--regen", str(regen), "--prefill", str(pre), "--out",
                str(tmp_path / "o.jsonl"), "--fraction", "0.5"])  # fmt: skip
     assert rc == 0 and len(load_prompt_set(tmp_path / "o.jsonl")) == 6
+
+
+def test_with_prefill_adds_the_share_and_keeps_every_regenerated_conversation(tokenizer, small):
+    regen = [Prompt(f"r{i}", "user", [f"question {i}"], [f"answer {i}"]) for i in range(12)]
+    same, info = with_prefill(regen, tokenizer, 0.0)
+    assert same is regen and info == {}
+    out, info = with_prefill(regen, tokenizer, 0.25, seed=3, max_tokens=128)
+    assert out[:12] == regen and len(out) == 16  # 4 / 16 = 0.25
+    assert (info["regenerated"], info["prefill"]) == (12, 4) and info["prefill_tokens"] > 0
+    assert {p.id for p in out[12:]} <= {p.id for p in small[0]}  # items of the same seed's build
+    with pytest.raises(CorpusError, match=r"\[0, 1\)"):
+        with_prefill(regen, tokenizer, 1.0)

@@ -34,6 +34,8 @@ from pathlib import Path
 from workbench.data import DataError, Prompt, load_humaneval, load_mtbench, load_prompt_set
 from workbench.errors import WorkbenchError
 from workbench.fsutil import atomic_write_text
+from workbench.selfprompts import ngrams as word_ngrams
+from workbench.selfprompts import words
 
 NGRAM = 8
 SOURCES = ("pydoc", "stdlib")
@@ -89,14 +91,9 @@ class CorpusReport:
 # ---------------------------------------------------------------- eval hygiene
 
 
-def words(text: str) -> list[str]:
-    """Lowercased words with punctuation stripped: the unit of the overlap check."""
-    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
-
-
 def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
-    w = words(text)
-    return {tuple(w[i : i + n]) for i in range(len(w) - n + 1)}
+    """Word n-grams of a text (the words of `selfprompts.words`: one overlap unit for both)."""
+    return word_ngrams(words(text), n)
 
 
 def eval_ngrams() -> set[tuple[str, ...]]:
@@ -451,6 +448,37 @@ def mix(
     rng.shuffle(chosen)
     write_prompts(out, chosen)
     return {"regenerated": n_r, "prefill": n_p, "total": n_r + n_p, "out": str(out)}
+
+
+def with_prefill(
+    conversations: list[Prompt],
+    tokenizer,
+    fraction: float,
+    seed: int = 0,
+    max_tokens: int = 384,
+) -> tuple[list[Prompt], dict]:
+    """`conversations` (all kept: they are paid for) plus prefill items making up `fraction`
+    of the result, or as many as the corpus holds; the capture notebook's `prefill_fraction`.
+
+    Prefill items are captured without regeneration (~3x cheaper a token than answering)."""
+    if not 0 <= fraction < 1:
+        raise CorpusError(
+            f"prefill_fraction {fraction}: the prefill share must be in [0, 1) (0 = none)"
+        )
+    if fraction == 0 or not conversations:
+        return conversations, {}
+    want = round(len(conversations) * fraction / (1 - fraction))
+    pre, report = build(tokenizer, max_items=want, max_tokens=max_tokens, seed=seed)
+    taken = {p.id for p in conversations}
+    if clash := [p.id for p in pre if p.id in taken]:
+        raise CorpusError(f"prefill id {clash[0]!r} is also a regenerated conversation's id")
+    info = {
+        "fraction": fraction,
+        "regenerated": len(conversations),
+        "prefill": len(pre),
+        "prefill_tokens": sum(report.tokens.values()),
+    }
+    return conversations + pre, info
 
 
 # ---------------------------------------------------------------- entry point

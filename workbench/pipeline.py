@@ -29,6 +29,8 @@ class PipelineProfile:
     train_profile: str  # a training preset name (workbench.draft.train)
     inspect_prompts: int  # MT-bench first turns for the offline inspection
     inspect_new_tokens: int
+    capture_dtype: str = "float32"  # the target's compute dtype in the capture forward
+    prefill_fraction: float = 0.0  # share of prefill-only corpus conversations (workbench.corpus)
 
 
 PIPELINE_PROFILES = {
@@ -91,6 +93,8 @@ def stages(
                 "max_new_tokens": p.max_new_tokens,
                 "max_length": p.max_length,
                 "regen_samples": p.regen_samples,
+                "target_dtype": p.capture_dtype,
+                "prefill_fraction": p.prefill_fraction,
                 "out_dir": str(home / "capture"),
             },
         ),
