@@ -526,3 +526,19 @@ def test_a_crafted_argmax_cache_is_refused_and_runs_nothing(env, tmp_path):
     with pytest.raises(TrainError, match="refusing to load.*could run code"):
         train(base_cfg(root, "x", out=str(out), max_steps=1, resume=True), target, reader)
     assert not marker.exists()
+
+
+def test_amp_auto_uses_bf16_only_where_it_is_native(monkeypatch):
+    import workbench.draft.train as tr
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(tr, "native_bf16", lambda device="cpu": False)
+    with tr.amp_context(tr.TrainConfig(amp="auto"), cpu)():
+        assert not torch.is_autocast_enabled("cpu")
+    with tr.amp_context(tr.TrainConfig(amp="bf16"), cpu)():  # asked for: always honoured
+        assert torch.is_autocast_enabled("cpu")
+    monkeypatch.setattr(tr, "native_bf16", lambda device="cpu": True)
+    with tr.amp_context(tr.TrainConfig(amp="auto"), cpu)():
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    assert tr.preset("quick").amp == "auto" and tr.preset("full").amp == "auto"

@@ -192,3 +192,32 @@ def test_cli_has_one_error_handler():
     src = Path(workbench.cli.__file__).read_text()
     assert src.count("except WorkbenchError") == 1
     assert not re.findall(r"except \([^)]*Error", src)
+
+
+def test_native_bf16_reads_the_cpu_flags_and_auto_picks_the_fast_dtype(monkeypatch):
+    from workbench import target as tg
+
+    xeon = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n"
+    zen4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16\n"
+    spr = "processor\t: 0\nflags\t\t: avx512f amx_tile amx_bf16\n"
+    assert not tg.native_bf16("cpu", xeon)
+    assert tg.native_bf16("cpu", zen4) and tg.native_bf16("cpu", spr)
+    assert tg.native_bf16("cuda:0", xeon)  # a GPU: bf16 is native
+    assert tg.fast_dtype("float16") == "float16" and tg.fast_dtype("bfloat16") == "bfloat16"
+    monkeypatch.setattr(tg, "native_bf16", lambda device="cpu", cpuinfo=None: False)
+    assert tg.fast_dtype("auto") == "float32"
+    monkeypatch.setattr(tg, "native_bf16", lambda device="cpu", cpuinfo=None: True)
+    assert tg.fast_dtype("auto") == "bfloat16"
+
+
+def test_regeneration_records_the_dtype_auto_resolved_to(tiny_target, tmp_path, monkeypatch):
+    import json
+
+    from workbench import target as tg
+    from workbench.data import Prompt, RegenConfig, regenerate
+
+    monkeypatch.setattr(tg, "native_bf16", lambda device="cpu", cpuinfo=None: False)
+    prompts = [Prompt("p0", "test", ["Say 0."])]
+    regenerate(tiny_target, prompts, tmp_path / "r", RegenConfig(max_new_tokens=3), progress=False)
+    assert RegenConfig().dtype == "auto"
+    assert json.loads((tmp_path / "r" / "regen-args.json").read_text())["dtype"] == "float32"

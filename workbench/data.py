@@ -21,7 +21,7 @@ import importlib.metadata
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -351,7 +351,7 @@ def eos_ids(tokenizer) -> list[int]:
 # ---------------------------------------------------------------- regeneration
 
 
-GENERATION_DTYPES = ("bfloat16", "float16", "float32")
+GENERATION_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -361,7 +361,7 @@ class RegenConfig:
     top_p: float = 1.0
     seed: int = 0
     batch_size: int = 64
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 where the CPU has native bf16 (or on a GPU), else fp32
     chunk_size: int = 128  # prompts per resumable chunk file
     max_prompt_tokens: int = 1536
     # answers per prompt: the first at `temperature`, the others sampled at
@@ -427,7 +427,11 @@ def regenerate(
     for benchmarks). Each answer's tokens do not depend on the batch: greedy ones are the
     argmax, sampled ones draw from their own generator.
     """
+    from workbench.target import fast_dtype
+
     cfg = cfg or RegenConfig()
+    device = str(next(target.model.parameters()).device)
+    cfg = replace(cfg, dtype=fast_dtype(cfg.dtype, device))  # the folder records what ran
     with locked_dir(out_dir, "regeneration folder"):
         return _regenerate(target, prompts, Path(out_dir), cfg, progress, cross_chunk)
 

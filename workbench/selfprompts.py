@@ -19,7 +19,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from workbench.data import (
@@ -190,7 +190,7 @@ class SelfPromptConfig:
     top_p: float = 0.95
     hints: str = "category"  # none | category
     max_rounds: int = 3  # each round samples as many candidates as are still missing
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bf16 only where bf16 matmuls are native (workbench.target)
     filters: FilterConfig = field(default_factory=FilterConfig)
 
     def __post_init__(self) -> None:
@@ -218,7 +218,9 @@ def generate_prompts(target, cfg: SelfPromptConfig, progress: bool = True) -> tu
     Returns (kept records in the built-in `id`/`category`/`turns` form, stats)."""
     from workbench.generate import generate_batch_with_stats
     from workbench.llama import Llama
+    from workbench.target import fast_dtype
 
+    cfg = replace(cfg, dtype=fast_dtype(cfg.dtype, str(next(target.model.parameters()).device)))
     tok, filt = target.tokenizer, default_filter(cfg.filters)
     eos = eos_ids(tok)
     cats = categories()

@@ -64,6 +64,7 @@ from workbench.draft.vocab import (
 )
 from workbench.fsutil import atomic_write_json, atomic_write_text, locked_dir
 from workbench.layers import CONVENTIONS, LayerIds
+from workbench.target import native_bf16
 
 __all__ = ["PRESETS", "TrainConfig", "TrainError", "latest_checkpoint", "preset", "train"]
 
@@ -101,7 +102,7 @@ class TrainConfig:
     embed_half_scale: float = 0.0
     ttt_sample: float = 1.0  # fraction of positions unrolled past step 0 (1 = all)
     loss_on: str = "assistant"  # assistant | all (also learn the target's view of user turns)
-    amp: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | off
+    amp: str = "auto"  # auto (bf16 on a GPU or a CPU with native bf16, else fp32) | bf16 | off
     device: str = "auto"
     threads: int | None = None
     resume: bool = False  # continue the run in `out` from its latest checkpoint
@@ -135,7 +136,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         ckpt_every=100,
         draft_vocab_size=4096,  # ~5K distinct assistant tokens in the quick capture
         init_layer=None,
-        amp="bf16",  # bf16 autocast, fp32 master weights: ~1.7x tokens/s on the 2-core CPU
+        # bf16 autocast (fp32 master weights) where bf16 is native: ~1.7x tokens/s on an
+        # avx512_bf16 CPU; fp32 elsewhere (bf16 there is 3.6x slower: workbench.target.native_bf16)
+        amp="auto",
     ),
     # the training part of the pipeline's `full` run: TTT-5 for the 5-step chain of the goal.
     # Measured on the full capture (647K tokens), 10 min each: TTT-5 lr 2e-3 all positions
@@ -154,7 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ckpt_every=200,
         draft_vocab_size=8192,
         init_layer=None,
-        amp="bf16",
+        amp="auto",
     ),
 }
 
@@ -220,7 +223,9 @@ def device_of(cfg: TrainConfig) -> torch.device:
 
 
 def amp_context(cfg: TrainConfig, device: torch.device):
-    mode = cfg.amp if cfg.amp != "auto" else ("bf16" if device.type == "cuda" else "off")
+    mode = cfg.amp
+    if mode == "auto":  # bf16 autocast is 3.6x slower than fp32 on a CPU without native bf16
+        mode = "bf16" if native_bf16(device.type) else "off"
     if mode == "off":
         return lambda: torch.autocast(device.type, enabled=False)
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
