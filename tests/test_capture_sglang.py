@@ -22,6 +22,10 @@ CONVS = [
      {"role": "assistant", "content": "Bonjour ! Comment allez-vous aujourd'hui ?"}],
 ]  # fmt: skip
 ATOL = 1e-3  # fp32: SGLang's torch_native attention and fused RMSNorm vs HF's eager path
+# fp32 rounding scales with magnitude: attention-sink rows reach |x| ~ 2.7e3 (one ulp 2.4e-4), so
+# equality is judged per row relative to its largest |value| (an Intel Xeon gave 3.9e-3 absolute,
+# 1.5e-6 relative; the AMD CPU of earlier runs stayed under 1e-3 absolute)
+RTOL = 1e-5
 
 
 def test_sglang_ids_are_output_of_layer_and_refuse_what_it_cannot_capture():
@@ -84,7 +88,7 @@ def test_sglang_capture_equals_the_hf_backend(target, tmp_path):
         rel = max(rel, float((d.max(-1).values / x["aux_hidden"].abs().max(-1).values).max()))
     print(f"RESULT sglang_capture max_abs_diff={worst:.3g} max_rel_diff={rel:.3g} "
           f"tokens={hf['num_tokens']} layers={list(ids.ids)}")  # fmt: skip
-    assert worst < ATOL
+    assert rel < RTOL
     # a shift by one layer is orders of magnitude further apart than the tolerance
     H = target.hidden_size
     x = next(iter(a))["aux_hidden"]
@@ -96,7 +100,8 @@ def test_sglang_capture_equals_the_hf_backend(target, tmp_path):
     # the CLI wiring: `workbench capture --backend sglang --sglang-url` == `--backend hf`
     assert (cli_hf["capture_backend"], cli["capture_backend"]) == ("hf", "sglang")
     for x, y in zip(CaptureReader(cli_hf["dir"]), CaptureReader(cli["dir"]), strict=True):
-        assert float((x["aux_hidden"] - y["aux_hidden"]).abs().max()) < ATOL
+        d = (x["aux_hidden"] - y["aux_hidden"]).abs().max(-1).values
+        assert float((d / x["aux_hidden"].abs().max(-1).values).max()) < RTOL
 
 
 def _cli_capture(tmp_path, target_dir, extra: list[str]) -> dict:
