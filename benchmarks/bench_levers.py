@@ -9,8 +9,9 @@ Each draft (`label=DIR`: a training run, checkpoint or export) is scored the sam
   `--mtbench` MT-bench and `--humaneval` HumanEval prompts, `--new-tokens` each.
 
 One line per draft: `RESULT label=... acc0=... tau=... acc0_all=... tau_all=... mtbench_tau=...
-humaneval_tau=...`, then a markdown table. Needs 1-2 min per draft on 2 cores (engine part
-dominates); `--threads 1` lets two copies share the machine.
+humaneval_tau=...`, a markdown table, then `RESULT drafts=N best_<figure>=<label> ...`.
+Needs 2-4 min per draft on one thread (the engine part dominates); `--threads 1` lets two
+copies share the machine.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def main() -> None:
     print("|---|" + "---|" * len(keys))
     for r in rows:
         print(f"| {r['label']} | " + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
+    best = {k: max(rows, key=lambda r, k=k: r[k])["label"] for k in keys}
+    print(f"RESULT drafts={len(rows)} " + " ".join(f"best_{k}={v}" for k, v in best.items()))
 
 
 if __name__ == "__main__":
