@@ -52,9 +52,7 @@ def regenerate(
     samples: int = typer.Option(1, help="answers per prompt; extra ones are sampled"),
     sample_temperature: float = typer.Option(0.8, help="temperature of the extra answers"),
     batch_size: int = typer.Option(64),
-    dtype: str = typer.Option(
-        "auto", help="compute dtype for generation (auto: bf16 only where it is native)"
-    ),
+    dtype: str = typer.Option("auto", help="generation dtype; auto: bf16 only if native"),
     seed: int = typer.Option(0),
 ) -> None:
     """Have the target answer a prompt set with its chat template (the data EAGLE-3 trains on)."""
