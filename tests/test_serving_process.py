@@ -115,9 +115,12 @@ def test_attach_to_nothing_is_a_clear_error():
 
 PARENT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from pathlib import Path
     from workbench.serving import process as sp
+    # Ctrl-C as in a terminal: a job a non-interactive shell put in the background inherits
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     dummy, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     argv = [sys.executable, dummy, str(port), "0.2", "ok"]
     try:
