@@ -77,7 +77,7 @@ class LocalBackend:
         trace = TraceWriter(path)
         dec.trace = trace if spec else None
         passes = []
-        for r in range(max(1, self.repeats)):
+        for _ in range(max(1, self.repeats)):
             accepted, comp, fwd = [], 0, 0
             t0 = time.perf_counter()
             for i, p in enumerate(self.prompts):
