@@ -542,3 +542,23 @@ def test_amp_auto_uses_bf16_only_where_it_is_native(monkeypatch):
         assert torch.is_autocast_enabled("cpu")
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     assert tr.preset("quick").amp == "auto" and tr.preset("full").amp == "auto"
+
+
+def test_a_capture_rewritten_by_newer_code_still_resumes_its_training(env, tmp_path):
+    """A finished capture resumed by newer code rewrites its manifest (git sha, package
+    versions, regeneration timings); the drafts trained on it must still resume. A capture
+    that holds something else (here: another truncation length) must not."""
+    target, _, root = env
+    cap = write_capture(target, tmp_path / "capture")
+    cfg = base_cfg(root, "rewritten", capture=str(cap), out=str(tmp_path / "run"), max_steps=3,
+                   eval_every=100)  # fmt: skip
+    assert train(cfg, target, CaptureReader(cap))["step"] == 3
+    mf = cap / "manifest.json"
+    man = json.loads(mf.read_text())
+    man |= {"git_sha": "0123abc", "versions": {"torch": "9.9"}, "norm_stats": {"x": 1},
+            "prompt_set": man["prompt_set"] | {"regen": {"seconds_this_run": 0.0}}}  # fmt: skip
+    mf.write_text(json.dumps(man))
+    assert train(replace(cfg, resume=True), target, CaptureReader(cap))["step"] == 3
+    mf.write_text(json.dumps(man | {"max_length": 32}))
+    with pytest.raises(TrainError, match="capture hash: checkpoint"):
+        train(replace(cfg, resume=True), target, CaptureReader(cap))

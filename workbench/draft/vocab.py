@@ -109,10 +109,23 @@ class DraftVocab:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+# The manifest fields that say what a capture holds. Left out: facts about the run that wrote
+# the manifest (`git_sha`, `versions`, regeneration timings, norm statistics derived from the
+# shards), which change when a finished capture is resumed by newer code and would otherwise
+# make every draft trained on it refuse to resume.
+CAPTURE_IDENTITY = ("format_version", "target", "layer_ids", "hidden_size", "dtype", "max_length",
+                    "num_samples", "num_tokens", "num_loss_tokens", "shards", "groups",
+                    "capture_backend")  # fmt: skip
+
+
 def capture_hash(reader: Any) -> str:
-    """Stable hash of a capture (its manifest: shard sha256s, target, layers, counts)."""
-    man = dict(reader.manifest)
-    return hashlib.sha256(json.dumps(man, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """Stable hash of what a capture holds: shard sha256s, target, layers, counts, the prompt
+    set's hashes (CAPTURE_IDENTITY); not of the code or package versions that wrote it."""
+    man = reader.manifest
+    ident = {k: man.get(k) for k in CAPTURE_IDENTITY}
+    ps = man.get("prompt_set") or {}
+    ident["prompt_set"] = {k: ps.get(k) for k in ("name", "hash", "data_hash")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def token_counts(reader: Any, vocab_size: int, indices: Any = None) -> torch.Tensor:
