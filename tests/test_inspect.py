@@ -18,17 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workbench.audit import (
-    ERROR,
-    config_audit,
-    has_errors,
-    norm_check,
-    parse_serving,
-    read_manifest,
-    wiring_audit,
-    wirings,
-)
+from workbench.audit import config_audit, parse_serving, wiring_audit, wirings
 from workbench.engine import CycleRecord, SpecParams
+from workbench.findings import ERROR, has_errors
 from workbench.inspect import (
     EvalResult,
     RequestResult,
@@ -40,6 +32,7 @@ from workbench.inspect import (
 )
 from workbench.layers import LayerConventionError, LayerIds
 from workbench.metrics import per_position_acceptance, simulated_tau
+from workbench.norms import norm_check, read_manifest, stored_norm_check
 
 IDS = (1, 3, 5)
 PARAMS = SpecParams(3, 1, 4)
@@ -255,6 +248,23 @@ def test_norm_check_flags_shifted_ids_at_any_draft_quality(trained):
         assert all(r.nearest_id == r.capture_id for r in rows if r.flag), rows
     with pytest.raises(LayerConventionError, match="output_of_layer"):
         norm_check(trained.llm, seqs, man, list(IDS))  # bare ids: which convention?
+
+
+def test_stored_norm_check_names_the_captured_layer_exactly(trained):
+    """On the capture's own tokens the served layer reproduces the stored states to rounding,
+    and a shifted config names the layer the capture really holds, slot by slot."""
+    from workbench.capture import CaptureReader
+
+    reader = CaptureReader(trained.cap)
+    rows, finds = stored_norm_check(trained.llm, reader, LayerIds(IDS), n_samples=4)
+    assert len(rows) == 3 and not finds, [str(f) for f in finds]
+    assert all(abs(r.ratio - 1) < 1e-3 and r.nearest_id == r.live_id for r in rows), rows
+    for served in ((2, 4, 6), (0, 2, 4)):
+        rows, finds = stored_norm_check(trained.llm, reader, LayerIds(served), n_samples=4)
+        assert sum(f.severity == ERROR for f in finds) == 3, (served, rows)
+        assert [r.nearest_id for r in rows] == list(IDS) and all(r.flag for r in rows), rows
+    with pytest.raises(LayerConventionError, match="LayerIds"):
+        stored_norm_check(trained.llm, reader, list(IDS))
 
 
 # ---------------------------------------------------------------- config audit + CLI

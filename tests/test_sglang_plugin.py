@@ -241,7 +241,7 @@ def _recs(norms):
 
 def test_live_wiring_check_flags_a_one_layer_shift_and_names_the_layer():
     # medians of SmolLM2-135M's residual norms at outputs of layers 2, 15, 27 (served one
-    # layer deeper than the capture's 1, 14, 26), measured with workbench.audit.live_norms
+    # layer deeper than the capture's 1, 14, 26), measured with workbench.norms.live_norms
     shifted = live_wiring_check(
         _recs([(80, 172, 602), (79, 173, 600), (81, 171, 604)]), _manifest()
     )

@@ -1,178 +1,41 @@
-"""Is the draft wired as it was trained? The norm check, the τ wiring audit, the config audit.
+"""Is the draft wired as it was trained? The τ wiring audit and the config audit.
 
 Why: high training accuracy with low serving τ usually means a wiring mismatch (aux layer ids
 off by one between capture, training and serving; a wrong algorithm flag; a bad vocab map).
-- `norm_check`: live hidden-state norms at the served layers against the capture's; works at
-  any draft quality.
 - `wiring_audit`: the same draft served by the embedded engine with aux states from shifted
   layers; a shifted wiring accepting more (bootstrap CI) names an off-by-one.
 - `config_audit`: every disagreement between a draft, its capture and a serving command line,
   plus SGLang's per-architecture quirks in reading layer ids.
+The hidden-state norm checks live in norms.py, findings and their summary in findings.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import warnings
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from workbench import metrics
 from workbench.engine import SpecError, SpecParams
 from workbench.errors import WorkbenchError
+from workbench.findings import ERROR, INFO, WARNING, Finding
 from workbench.inspect import EvalResult, evaluate_draft, prepare_prompts
 from workbench.layers import (
     CANONICAL,
-    CONVENTIONS,
     INPUT_OF_LAYER,
     LayerConventionError,
     LayerIds,
     validate,
 )
-
-ERROR, WARNING, INFO = "error", "warning", "info"
-
-
-# ---------------------------------------------------------------- findings
-
-
-@dataclass
-class Finding:
-    """One disagreement: severity error (will break acceptance) | warning | info."""
-
-    severity: str
-    what: str
-    expected: Any = None
-    got: Any = None
-    why: str = ""
-
-    def __str__(self) -> str:
-        s = f"[{self.severity}] {self.what}"
-        if self.expected is not None or self.got is not None:
-            s += f": expected {self.expected}, got {self.got}"
-        return s + (f" ({self.why})" if self.why else "")
-
-
-def has_errors(findings: Sequence[Finding]) -> bool:
-    return any(f.severity == ERROR for f in findings)
-
-
-# ---------------------------------------------------------------- norm check
-
-
-def read_manifest(capture: Any) -> dict:
-    """A capture manifest from a dict, a CaptureReader, or a capture directory / manifest path."""
-    if isinstance(capture, dict):
-        return capture
-    if hasattr(capture, "manifest"):
-        return capture.manifest
-    p = Path(capture)
-    f = p / "manifest.json" if p.is_dir() else p
-    if not f.is_file():
-        raise WorkbenchError(f"{f}: no capture manifest; give the capture directory of notebook 01")
-    return json.loads(f.read_text())
-
-
-@dataclass
-class NormRow:
-    slot: int
-    capture_id: int  # canonical id the capture recorded
-    live_id: int  # canonical id served
-    cap_p05: float
-    cap_p50: float
-    cap_p95: float
-    live_p50: float
-    ratio: float  # live median / capture median
-    nearest_id: int  # live layer whose median is closest to the capture's (log scale)
-    flag: str = ""
-
-
-@torch.no_grad()
-def live_norms(
-    llm: Any, sequences: Sequence[Sequence[int]], layers: Sequence[int]
-) -> dict[int, np.ndarray]:
-    """Per-token L2 norms of the residual stream at canonical `layers` over whole sequences."""
-    out: dict[int, list] = {i: [] for i in layers}
-    for s in sequences:
-        res = llm(torch.tensor([list(s)]), hidden_layers=list(layers), logits="none")
-        for i in layers:
-            out[i].append(res.hidden[i][0].float().norm(dim=-1).numpy())
-    return {i: np.concatenate(v) if v else np.zeros(0) for i, v in out.items()}
-
-
-def norm_check(
-    llm: Any,
-    sequences: Sequence[Sequence[int]],
-    manifest: dict,
-    layer_ids: LayerIds | None = None,
-    *,
-    ratio: float = 1.15,
-) -> tuple[list[NormRow], list[Finding]]:
-    """Compare live hidden-state norms at the served ids with the capture manifest's, slot by slot.
-
-    Works at any draft quality. Flags a slot when the live median falls outside the capture's
-    p05..p95, or differs from the capture's median by more than `ratio`, or when a neighbouring
-    live layer (id ± 1, or the embedding) matches the capture's median better: the capture then
-    recorded a different layer than the one served (off-by-one / convention mismatch). The prompt
-    sets differ (capture: training conversations; live: these sequences), so medians agree only
-    to within several percent on a correct wiring.
-    """
-    if layer_ids is not None and not isinstance(layer_ids, LayerIds):
-        raise LayerConventionError(
-            f"norm_check takes the served ids as LayerIds (ids + convention), got a bare "
-            f"{type(layer_ids).__name__} {list(layer_ids)!r}; wrap them, e.g. "
-            f"LayerIds(ids, convention) with convention one of {', '.join(CONVENTIONS)}"
-        )
-    cap = LayerIds.from_dict(manifest["layer_ids"]).canonical
-    served = cap if layer_ids is None else layer_ids.canonical
-    n = llm.n_layers
-    cands = sorted({j for i in served for j in (i - 1, i, i + 1) if -1 <= j < n})
-    norms = live_norms(llm, sequences, cands)
-    med = {j: float(np.median(v)) for j, v in norms.items() if v.size}
-    stats = {int(v["slot"]): v for v in manifest["norm_stats"]["layers"].values()}
-    rows, finds = [], []
-    if len(served) != len(cap):
-        finds.append(
-            Finding(ERROR, "number of aux layers (capture vs served)", len(cap), len(served))
-        )
-    for j, (cid, lid) in enumerate(zip(cap, served, strict=False)):
-        st = stats.get(j)
-        if not st or not st.get("count") or lid not in med:
-            continue
-        p50 = float(st["p50"])
-        live = med[lid]
-        r = live / p50 if p50 else math.inf
-        near = min(
-            (k for k in cands if abs(k - lid) <= 1), key=lambda k: abs(math.log(med[k] / p50))
-        )
-        flags = []
-        if not float(st["p05"]) <= live <= float(st["p95"]):
-            flags.append("live median outside the capture's p05..p95")
-        if max(r, 1 / r) > ratio:
-            flags.append(f"median ratio {r:.2f} beyond {ratio}")
-        better = abs(math.log(med[near] / p50)) < 0.5 * abs(math.log(r))
-        if near != lid and better:
-            flags.append(f"capture slot {j} matches live layer {near} better than served {lid}")
-        rows.append(NormRow(j, cid, lid, float(st["p05"]), p50, float(st["p95"]), live, r, near,
-                            "; ".join(flags)))  # fmt: skip
-        if flags:
-            sev = ERROR if (near != lid and better) or len(flags) > 1 else WARNING
-            finds.append(Finding(sev, f"hidden-state norms, aux slot {j} (capture layer {cid}, served layer {lid})",
-                                 f"median ≈ {p50:.3g} (capture p05..p95 {st['p05']:.3g}..{st['p95']:.3g})",
-                                 f"live median {live:.3g}", "; ".join(flags) +
-                                 ": wrong layer or layer-id convention between capture and serving"))  # fmt: skip
-    return rows, finds
-
+from workbench.norms import NormRow, norm_check, open_capture, read_manifest, stored_norm_check
 
 # ---------------------------------------------------------------- wiring audit
 
@@ -308,9 +171,12 @@ def wiring_audit(
                                  "prompts); rely on the norm check"))  # fmt: skip
     norms: list[NormRow] = []
     if capture is not None:
-        man = read_manifest(capture)
-        seqs = [r.prompt + r.tokens for r in results[names[0]].requests]
-        norms, nf = norm_check(llm, seqs, man, conf, ratio=norm_ratio)
+        reader = open_capture(capture)
+        if reader is not None:  # the capture's own tokens: decisive
+            norms, nf = stored_norm_check(llm, reader, conf)
+        else:  # a manifest alone: medians over these prompts
+            seqs = [r.prompt + r.tokens for r in results[names[0]].requests]
+            norms, nf = norm_check(llm, seqs, read_manifest(capture), conf, ratio=norm_ratio)
         finds += nf
     return WiringAudit(rows, verdict, best_name, finds, norms, ci, results)
 
@@ -548,11 +414,3 @@ def config_audit(
                 F += architecture_quirks(a, ids, n_layers)
     order = {ERROR: 0, WARNING: 1, INFO: 2}
     return sorted(F, key=lambda f: order.get(f.severity, 3))
-
-
-def format_findings(findings: Sequence[Finding]) -> str:
-    if not findings:
-        return "no findings: draft, capture and serving agree"
-    n = Counter(f.severity for f in findings)
-    head = f"{n[ERROR]} error(s), {n[WARNING]} warning(s), {n[INFO]} note(s)"
-    return "\n".join([head] + [f"  {f}" for f in findings])

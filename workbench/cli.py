@@ -413,7 +413,8 @@ def audit(
     """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags);
     exits 1 on an error. --wiring: the teacher-forced wiring audit (workbench/wiring.py); its
     last line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; shifted_wins exits 1."""
-    from workbench.audit import config_audit, format_findings, has_errors
+    from workbench.audit import config_audit
+    from workbench.findings import format_findings, has_errors
     from workbench.target import load_target
 
     tgt = load_target(target) if target else None
