@@ -552,13 +552,17 @@ def test_a_capture_rewritten_by_newer_code_still_resumes_its_training(env, tmp_p
     cap = write_capture(target, tmp_path / "capture")
     cfg = base_cfg(root, "rewritten", capture=str(cap), out=str(tmp_path / "run"), max_steps=3,
                    eval_every=100)  # fmt: skip
-    assert train(cfg, target, CaptureReader(cap))["step"] == 3
+    first = train(cfg, target, CaptureReader(cap))
+    assert first["step"] == 3 and first["tau"] is not None and first["tok_s"] > 0
     mf = cap / "manifest.json"
     man = json.loads(mf.read_text())
     man |= {"git_sha": "0123abc", "versions": {"torch": "9.9"}, "norm_stats": {"x": 1},
             "prompt_set": man["prompt_set"] | {"regen": {"seconds_this_run": 0.0}}}  # fmt: skip
     mf.write_text(json.dumps(man))
-    assert train(replace(cfg, resume=True), target, CaptureReader(cap))["step"] == 3
+    again = train(replace(cfg, resume=True), target, CaptureReader(cap))
+    # nothing left to run: the latest held-out figures, and no throughput to claim
+    assert again["step"] == 3 and again["tok_s"] is None
+    assert (again["tau"], again["acc"]) == (first["tau"], first["acc"])
     mf.write_text(json.dumps(man | {"max_length": 32}))
     with pytest.raises(TrainError, match="capture hash: checkpoint"):
         train(replace(cfg, resume=True), target, CaptureReader(cap))

@@ -432,7 +432,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     bar = tqdm(total=total, initial=step, desc="train", disable=not (cfg.progress and d.main),
                dynamic_ncols=True)  # fmt: skip
     t0, toks, run_steps = time.perf_counter(), 0.0, 0
-    last_eval: dict[str, Any] = {}
+    # a resumed run reports its latest held-out figures even when no step is left to run
+    last_eval: dict[str, Any] = next((m for m in reversed(metrics) if m["event"] == "eval"), {})
     batches, batches_epoch = None, -1
     killed = over_budget = False
     while step < total:
@@ -501,7 +502,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         k: last_eval.get(k) for k in ("acc", "a", "tau", "tau_k", "acc_all", "tau_all", "in_vocab")
     }
     return {"step": step, "steps_planned": total, "stopped_early": stopped_early,
-            "stopped": killed, **ev, "tok_s": toks / max(elapsed, 1e-9), "elapsed_s": elapsed,
+            "stopped": killed, **ev, "tok_s": toks / max(elapsed, 1e-9) if run_steps else None,
+            "elapsed_s": elapsed,
             "checkpoint": str(ck) if ck else None, "out": str(out), "world_size": d.world}  # fmt: skip
 
 
