@@ -228,6 +228,19 @@ def test_cli_audit_wiring_ends_with_result_line(tiny_target, tiny_target_dir, tm
     ), lines[-1]
     assert "teacher-forced wiring audit" in r.output and "held-out" in r.output
     assert "continuation" in r.output  # greedy continuations of MT-bench prompts
+    assert r.output.count("norms on the capture's tokens") == 3 and "<-" not in r.output
+    # served one layer deeper than captured: the norm check names the captured layers, exit 1
+    off = Eagle3Draft(DraftConfig.from_target(model.config, LayerIds((2, 4, 5)), 512))
+    off.load_state_dict(draft.state_dict())
+    exp2 = export_sglang(off, tmp_path / "off", {"capture": str(cap)},
+                         target_max_position_embeddings=2048)  # fmt: skip
+    r = CliRunner().invoke(
+        app, ["audit", "--wiring", "--draft", str(exp2), "--target", str(tiny_target_dir)]
+    )
+    assert r.exit_code == 1, r.output
+    for slot, (held, served) in enumerate([(1, 2), (3, 4), (4, 5)]):
+        assert f"slot {slot}: served layer {served}" in r.output
+        assert f"holds live layer {held}'s states" in r.output, r.output
     # without a capture in the provenance or --capture: a one-line error naming the fix
     bare = export_sglang(draft, tmp_path / "bare", {}, target_max_position_embeddings=2048)
     r = CliRunner().invoke(

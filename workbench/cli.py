@@ -412,7 +412,8 @@ def audit(
 ) -> None:
     """Config audit: draft vs capture vs serving command (layer ids, vocab, positions, flags);
     exits 1 on an error. --wiring: the teacher-forced wiring audit (workbench/wiring.py); its
-    last line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; shifted_wins exits 1."""
+    last line is `RESULT verdict=... best=... delta_lo=... delta_hi=...`; shifted_wins or a
+    flagged norm check (per-token norms on the capture's own tokens) exits 1."""
     from workbench.audit import config_audit
     from workbench.findings import format_findings, has_errors
     from workbench.target import load_target
@@ -427,7 +428,7 @@ def audit(
         tf = audit_draft_dir(draft, capture or None, target or None)
         typer.echo(tf.format())
         typer.echo(tf.result_line())
-        bad_wiring = tf.verdict == SHIFTED_WINS
+        bad_wiring = tf.verdict == SHIFTED_WINS or any(n.flag for n in tf.norms)
     if has_errors(findings) or bad_wiring:
         raise typer.Exit(1)
 

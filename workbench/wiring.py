@@ -187,6 +187,7 @@ class TeacherForcedAudit:
     seconds: float
     reason: str = ""
     sources: dict[str, int] = field(default_factory=dict)  # sequences per source kind
+    norms: list[Any] = field(default_factory=list)  # norms.NormRow per slot (audit_draft_dir)
 
     @property
     def best_alternative(self) -> WiringScore | None:
@@ -210,6 +211,10 @@ class TeacherForcedAudit:
                 dl = da = "-"
             lines.append(f"{r.name:<16}{str(r.layer_ids):<16}{r.logp:8.3f}{dl:>26}"
                          f"{r.accept:7.3f}{da:>26}")  # fmt: skip
+        for n in self.norms:
+            lines.append(f"norms on the capture's tokens, slot {n.slot}: served layer {n.live_id}, "
+                         f"live/stored {n.ratio:.3f}, closest layer {n.nearest_id}"
+                         + (f" <- {n.flag}" if n.flag else " ok"))  # fmt: skip
         lines.append(f"verdict: {self.verdict} ({self.reason})")
         return "\n".join(lines)
 
@@ -494,8 +499,14 @@ def _audit_loaded(
     tgt: Any, loaded: Any, cap: Path, eval_prompts: int, max_new_tokens: int, max_tokens: int,
     kw: dict[str, Any],
 ) -> TeacherForcedAudit:  # fmt: skip
+    from workbench.capture import CaptureReader
+    from workbench.norms import stored_norm_check
+
     llm = Llama(tgt.model, torch.float32)
     seqs = audit_sequences(llm, tgt.tokenizer, loaded, cap, eval_prompts=eval_prompts,
                            max_new_tokens=max_new_tokens, max_tokens=max_tokens)  # fmt: skip
     draft = loaded.draft.float().eval()
-    return teacher_forced_audit(llm, draft, seqs, layer_ids=loaded.layer_ids, **kw)
+    tf = teacher_forced_audit(llm, draft, seqs, layer_ids=loaded.layer_ids, **kw)
+    # the cross-check that does not depend on draft quality (decisive where τ and log-probs are not)
+    tf.norms = stored_norm_check(llm, CaptureReader(cap, verify=False), loaded.layer_ids)[0]
+    return tf
