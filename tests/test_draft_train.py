@@ -151,6 +151,9 @@ def base_cfg(root: Path, name: str, **kw) -> TrainConfig:
         log_every=1,
         progress=False,
         warmup=2,
+        # fp32 on every CPU: amp "auto" trains in bf16 where bf16 is native (AMX/avx512_bf16),
+        # and the exactness comparisons here (2 gloo ranks vs 1 process) are fp32 claims
+        amp="off",
     )
     return replace(cfg, **kw)
 
