@@ -149,6 +149,13 @@ def test_regenerate_is_resumable_and_refuses_other_arguments(tiny_target, tmp_pa
     regenerate(tiny_target, prompts, out, cfg, progress=False)
     for a, b in zip(sorted(ref.glob("chunk-*")), sorted(out.glob("chunk-*")), strict=True):
         assert a.read_text() == b.read_text()
+    # A rerun with nothing left keeps the throughput of the runs that did the work.
+    again = regenerate(tiny_target, prompts, out, cfg, progress=False)
+    assert again["new_tokens_this_run"] == 0 and again["tok_s"] is None
+    runs = json.loads((out / "regen.json").read_text())["runs"]
+    # (the killed run wrote no record; the resume answered chunks 1-2 only)
+    assert len(runs) == 1 and runs[0]["tok_s"] > 0
+    assert 0 < runs[0]["new_tokens"] < info["new_tokens_this_run"]
 
     with pytest.raises(DataError, match=r"different arguments:\n  max_new_tokens: was 6, now 7"):
         regenerate(

@@ -467,17 +467,33 @@ def _regenerate(
         for group in [todo] if cross_chunk else [[ci] for ci in todo]:
             _answer_chunks(llm, target, chunks, group, out, cfg, stats, bar, progress)
     bar.close()
-    info = {
-        **args,
-        "chunks": len(chunks),
-        "new_tokens_this_run": stats.new_tokens,
-        "seconds_this_run": round(stats.seconds, 2),
+    this_run = {
+        "new_tokens": stats.new_tokens,
+        "seconds": round(stats.seconds, 2),
         "tok_s": round(stats.tok_s, 1) if stats.seconds else None,
         "decode_steps": stats.steps,  # forwards of the whole batch
         "occupancy": round(stats.occupancy, 3) if stats.row_steps else None,
     }
+    info = {
+        **args,
+        "chunks": len(chunks),
+        "new_tokens_this_run": this_run["new_tokens"],
+        "seconds_this_run": this_run["seconds"],
+        **{k: this_run[k] for k in ("tok_s", "decode_steps", "occupancy")},
+        # every run that generated something, so a no-op rerun keeps the real throughput
+        "runs": _previous_runs(out / "regen.json") + ([this_run] if todo else []),
+    }
     atomic_write_text(out / "regen.json", json.dumps(info, indent=2))
     return info
+
+
+def _previous_runs(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    try:
+        return list(json.loads(path.read_text(encoding="utf-8")).get("runs", []))
+    except (ValueError, AttributeError) as e:
+        raise DataError(f"{path} is not a regeneration record ({e}); move it aside to rerun") from e
 
 
 def _chunk_path(out: Path, ci: int) -> Path:
