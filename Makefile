@@ -50,7 +50,7 @@ $(SGLANG_PLUGIN_STAMP): $(SGLANG_STAMP) support/sglang_plugin/pyproject.toml
 ## The SGLang server environment (.venv-sglang, ~2 min, ~6 GB), made on first use.
 sglang-env: $(SGLANG_STAMP) $(SGLANG_PLUGIN_STAMP)
 
-## The main job: the whole pipeline on the embedded default (quick profile, 21-47 min on 2 cores).
+## The main job: the whole pipeline on the embedded default (quick profile, 18-47 min on 2 cores).
 demo: $(STAMP)
 	$(BIN)/workbench pipeline --profile $(PROFILE)
 
