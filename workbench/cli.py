@@ -267,9 +267,7 @@ def run(
 
 @app.command()
 def pipeline(
-    profile: str = typer.Option(
-        "quick", help="quick (18-47 min on 2 cores) or full (~2-3 h, better draft)"
-    ),
+    profile: str = typer.Option("quick", help="quick (18-47 min on 2 cores) or full (~2 h)"),
     target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
     reports_dir: str = typer.Option("reports", "--reports-dir"),
     force: bool = typer.Option(False, "--force", help="rerun stages whose inputs are unchanged"),
