@@ -113,3 +113,48 @@ def test_tiny_real_run_writes_a_loadable_prompt_file(tmp_path):
     assert len(loaded) == st["n_kept"]
     assert all(len(p.turns) == 1 and len(p.turns[0].split()) >= 5 for p in loaded)
     assert {p.id for p in loaded} == {f"self-{i:05d}" for i in range(1, st["n_kept"] + 1)}
+
+
+def test_with_self_prompts_adds_nothing_at_zero_and_refuses_a_negative_count(tmp_path):
+    from workbench.selfprompts import with_self_prompts
+
+    convs = ["a", "b"]
+    assert with_self_prompts(None, convs, 0, tmp_path / "self") == (convs, {})
+    assert not (tmp_path / "self").exists()
+    with pytest.raises(SelfPromptError, match="self_prompts=-1"):
+        with_self_prompts(None, convs, -1, tmp_path / "self")
+
+
+@pytest.mark.slow
+def test_self_prompts_stage_answers_its_prompts_reuses_them_and_refuses_other_settings(
+    tmp_path, monkeypatch
+):
+    from workbench import selfprompts
+    from workbench.data import RegenConfig, load_prompt_set, select
+    from workbench.selfprompts import with_self_prompts
+    from workbench.target import load_target
+
+    t = load_target("smollm2-135m")
+    base = select(load_prompt_set("train"), 1)
+    regen = RegenConfig(max_new_tokens=8, batch_size=8)
+    cfg = SelfPromptConfig(max_new_tokens=32, max_rounds=1, batch_size=8)
+    out = tmp_path / "self"
+    convs, info = with_self_prompts(t, base, 6, out, regen, cfg, progress=False)
+    kept = load_prompt_set(out / "prompts.jsonl")
+    assert info["n_requested"] == 6 and info["n_kept"] == len(kept) >= 1, info
+    assert convs[:1] == base and len(convs) == 1 + len(kept)
+    mine = convs[1:]
+    assert [p.id for p in mine] == [p.id for p in kept]
+    assert all(p.complete and p.turns == q.turns for p, q in zip(mine, kept, strict=True))
+    assert info["hash"] and info["regen"]["new_tokens_this_run"] > 0
+
+    def fail(*a, **k):
+        raise AssertionError("a rerun with the same settings must reuse the prompt file")
+
+    monkeypatch.setattr(selfprompts, "write_prompts", fail)
+    again, info2 = with_self_prompts(t, base, 6, out, regen, cfg, progress=False)
+    assert [p.answers for p in again] == [p.answers for p in convs]
+    assert info2["hash"] == info["hash"]
+    with pytest.raises(SelfPromptError, match="seed differ"):
+        with_self_prompts(t, base, 6, out, regen, SelfPromptConfig(seed=1, max_new_tokens=32,
+                          max_rounds=1), progress=False)  # fmt: skip

@@ -31,6 +31,7 @@ class PipelineProfile:
     inspect_new_tokens: int
     capture_dtype: str = "float32"  # the target's compute dtype in the capture forward
     prefill_fraction: float = 0.0  # share of prefill-only corpus conversations (workbench.corpus)
+    self_prompts: int = 0  # prompts the target writes itself, answered too (workbench.selfprompts)
 
 
 PIPELINE_PROFILES = {
@@ -95,6 +96,7 @@ def stages(
                 "regen_samples": p.regen_samples,
                 "target_dtype": p.capture_dtype,
                 "prefill_fraction": p.prefill_fraction,
+                "self_prompts": p.self_prompts,
                 "out_dir": str(home / "capture"),
             },
         ),

@@ -27,6 +27,7 @@ from workbench.data import (
     load_humaneval,
     load_mtbench,
     load_train_prompts,
+    prepare_conversations,
 )
 from workbench.errors import WorkbenchError
 from workbench.fsutil import atomic_write_json, atomic_write_text
@@ -297,3 +298,58 @@ def write_prompts(
     atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in kept))
     atomic_write_json(stats_path(out), stats)
     return stats
+
+
+# ---------------------------------------------------------------- as a capture stage
+
+# What makes a prompt file the same one on a rerun (dtype and batch size only change speed).
+IDENTITY = ("n", "seed", "max_new_tokens", "temperature", "top_p", "hints", "max_rounds",
+            "filters")  # fmt: skip
+
+
+def with_self_prompts(
+    target,
+    conversations: list,
+    n: int,
+    out_dir: str | os.PathLike,
+    regen=None,
+    cfg: SelfPromptConfig | None = None,
+    progress: bool = True,
+) -> tuple[list, dict]:
+    """`conversations` plus up to `n` prompts the target writes itself, answered like the
+    others; the capture notebook's `self_prompts`. 0 adds nothing.
+
+    The prompts go to `out_dir/prompts.jsonl` (written once, atomically; a rerun with the
+    same settings reuses them) and their answers to `out_dir/regen` (resumable by chunk)."""
+    if n < 0:
+        raise SelfPromptError(f"self_prompts={n}: must be 0 (none) or a number of prompts")
+    if n == 0:
+        return conversations, {}
+    cfg = replace(cfg or SelfPromptConfig(), n=n)
+    out_dir = Path(out_dir)
+    path = out_dir / "prompts.jsonl"
+    if path.exists() and stats_path(path).exists():
+        stats = json.loads(stats_path(path).read_text())
+        mine = {k: asdict(cfg)[k] for k in IDENTITY}
+        theirs = {k: stats["config"].get(k) for k in IDENTITY}
+        if mine != theirs or stats.get("target") != getattr(target, "fingerprint", None):
+            diff = sorted(k for k in IDENTITY if mine[k] != theirs[k]) or ["target"]
+            raise SelfPromptError(
+                f"{path} was written with other settings ({', '.join(diff)} differ); delete "
+                f"{out_dir} to write new prompts, or capture into another folder"
+            )
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stats = write_prompts(target, path, cfg, progress=progress)
+    if stats["n_kept"] == 0:
+        raise SelfPromptError(
+            f"the target kept none of its {stats['n_generated']} prompts (dropped: "
+            f"{stats['dropped']}); see {stats_path(path)}, or set self_prompts=0"
+        )
+    mine, info = prepare_conversations(target, path, None, out_dir / "regen", regen, progress)
+    taken = {p.id for p in conversations}
+    if clash := [p.id for p in mine if p.id in taken]:
+        raise SelfPromptError(f"self-prompt id {clash[0]!r} is also another conversation's id")
+    info |= {k: stats[k] for k in ("n_requested", "n_kept", "n_generated", "dropped")}
+    info["prompt_seconds"] = stats.get("wall_seconds")
+    return conversations + mine, info
