@@ -45,8 +45,8 @@ PIPELINE_PROFILES = {
         inspect_prompts=16,
         inspect_new_tokens=96,
     ),
-    # all 1033 prompts answered once (greedy), then 4 epochs; measured from nothing in fp32 on
-    # one loaded thread: 56 min of regeneration + capture, 48 min of training, then inspection
+    # all 1033 prompts answered once (greedy) plus 1000 the target writes itself (the largest
+    # data lever at the quick scale: +0.034 acc0 at equal steps), then 4 epochs
     "full": PipelineProfile(
         "full",
         n_samples=0,
@@ -56,6 +56,7 @@ PIPELINE_PROFILES = {
         train_profile="full",
         inspect_prompts=24,
         inspect_new_tokens=128,
+        self_prompts=1000,
     ),
 }
 
