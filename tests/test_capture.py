@@ -318,6 +318,7 @@ def test_capture_cli_validates_arguments_before_writing(tiny_target_dir, tmp_pat
         (["--max-length", "0"], "max_length=0"),
         (["--max-new-tokens", "0"], "max_new_tokens=0"),
         (["--n", "-2"], "--n -2"),
+        (["--self-prompts", "-3"], "self_prompts=-3"),
         (["--target-dtype", "foo"], "unknown target dtype 'foo'"),
         (["--layers", "default", "--convention", "nope"], "unknown or missing layer-id"),
     ):

@@ -120,9 +120,7 @@ def capture(
     ),
     dtype: str = typer.Option("bfloat16", help="storage dtype of hidden states"),
     target_dtype: str = typer.Option("float32", help="compute dtype of the target"),
-    device: str = typer.Option(
-        "cpu", help="cpu, cuda, or 'auto' (device_map=auto over several GPUs)"
-    ),
+    device: str = typer.Option("cpu", help="cpu, cuda, or 'auto' (device_map=auto over GPUs)"),
     regen_dir: str = typer.Option("", help="where answers are regenerated (default: OUT/regen)"),
     max_new_tokens: int = typer.Option(512, help="regeneration length for prompts without answers"),
     batch_tokens: int = typer.Option(8192, help="padded tokens per capture forward"),
@@ -130,6 +128,7 @@ def capture(
         1, help="answers per regenerated prompt: the first greedy, the others sampled"
     ),
     sample_temperature: float = typer.Option(0.8, help="temperature of the extra answers"),
+    self_prompts: int = typer.Option(0, help="plus N prompts the target writes (in OUT/self)"),
     backend: str = typer.Option(
         "hf", help="hf (forward hooks) | sglang (aux states from SGLang, launched or --sglang-url)"
     ),
@@ -144,6 +143,7 @@ def capture(
     from workbench.capture import capture as run_capture
     from workbench.data import RegenConfig, base_id, check_n, prepare_conversations
     from workbench.layers import parse_layer_spec
+    from workbench.selfprompts import check_count, with_self_prompts
     from workbench.target import load_target
 
     # Every argument is checked before anything is written (the regeneration comes first).
@@ -151,6 +151,7 @@ def capture(
         max_new_tokens=max_new_tokens, samples=samples, sample_temperature=sample_temperature
     )
     check_n(n)
+    check_count(self_prompts)
     dm = "auto" if device == "auto" else None
     t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
     ids = parse_layer_spec(layers, t.num_layers, convention)
@@ -158,6 +159,7 @@ def capture(
     if backend not in ("hf", "sglang"):
         raise typer.BadParameter(f"--backend must be hf or sglang, got {backend!r}")
     ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen)
+    ps, info["self"] = with_self_prompts(t, ps, self_prompts, Path(out) / "self", regen)
     with contextlib.ExitStack() as stack:
         rec = {}
         if backend == "sglang":

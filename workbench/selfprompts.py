@@ -307,6 +307,11 @@ IDENTITY = ("n", "seed", "max_new_tokens", "temperature", "top_p", "hints", "max
             "filters")  # fmt: skip
 
 
+def check_count(n: int) -> None:
+    if n < 0:
+        raise SelfPromptError(f"self_prompts={n}: must be 0 (none) or a number of prompts")
+
+
 def with_self_prompts(
     target,
     conversations: list,
@@ -321,8 +326,7 @@ def with_self_prompts(
 
     The prompts go to `out_dir/prompts.jsonl` (written once, atomically; a rerun with the
     same settings reuses them) and their answers to `out_dir/regen` (resumable by chunk)."""
-    if n < 0:
-        raise SelfPromptError(f"self_prompts={n}: must be 0 (none) or a number of prompts")
+    check_count(n)
     if n == 0:
         return conversations, {}
     cfg = replace(cfg or SelfPromptConfig(), n=n)
