@@ -30,7 +30,12 @@ hides under the stream: the same matmuls take 25.6 ms at 8 rows (85 GFLOP/s) vs 
 does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its ratio is similar
 (matmuls alone 1.34x). Two threads on this 2-core shared box measure the scheduler, not the model.
 
-Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...`.
+Since fp32 inputs of 1-2 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
+there), the fp32 ratios divide by that faster one-token decode; "float32 oneDNN only" is the
+all-packed path, and the RESULT line carries both, with each one-token decode time.
+
+Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...
+decode_ms=... [onednn_k2=... onednn_k4=... onednn_k8=... onednn_decode_ms=...]`.
 Run: `python benchmarks/bench_verify.py [--repeats 15] [--threads N] [--clock wall|cpu]
 [--compare] [--against REV] [--breakdown] [--target smollm2-135m]`.
 """
@@ -49,7 +54,7 @@ os.environ.setdefault("MKL_CBWR", "AVX512")  # before torch loads MKL
 import torch  # noqa: E402
 
 from workbench.layers import default_layer_ids  # noqa: E402
-from workbench.llama import Llama  # noqa: E402
+from workbench.llama import Llama, default_mkl_rows  # noqa: E402
 
 KS = (1, 2, 4, 8)
 CLOCK = time.perf_counter
@@ -214,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(args.target, dtype="float32")
     print(
-        f"target {target.name}, threads {torch.get_num_threads()}, MKL_CBWR="
+        f"target {target.name}, threads {torch.get_num_threads()}, fp32 inputs of <= "
+        f"{default_mkl_rows(torch.float32)} rows on MKL, MKL_CBWR="
         f"{os.environ.get('MKL_CBWR')}, {args.clock} clock, {args.repeats} interleaved "
         "repeats, medians "
         f"(load average {os.getloadavg()[0]:.1f}: timings on a shared machine are noisy)"
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     old = llama_at(args.against) if args.against else None  # one module for both dtypes
     for name in args.dtypes.split(","):
         variants[name] = Llama(target.model, getattr(torch, name))
+        if variants[name].onednn and variants[name].mkl_rows:  # small inputs on MKL (llama.py)
+            variants[f"{name} oneDNN only"] = Llama(target.model, getattr(torch, name), mkl_rows=0)
         if args.compare and variants[name].onednn:
             variants[f"{name} unpacked (before)"] = Llama(target.model, getattr(torch, name), False)
         if args.against:
@@ -237,7 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     f32, b16 = ratios.get("float32", {}), ratios.get("bfloat16", {})
     parts = [f"verify_cost_k{k}={f32[k]:.3f}" if k == 2 else f"k{k}={f32[k]:.3f}" for k in KS[1:]
              if k in f32] + [f"bf16_k{k}={b16[k]:.3f}" for k in KS[1:] if k in b16]  # fmt: skip
-    print("RESULT " + " ".join(parts))
+    parts.append(f"decode_ms={med['float32'][1] * 1e3:.1f}" if "float32" in med else "")
+    if only := ratios.get("float32 oneDNN only"):  # the ratios before MKL took 1-2 rows
+        parts += [f"onednn_k{k}={only[k]:.3f}" for k in KS[1:]]
+        parts.append(f"onednn_decode_ms={med['float32 oneDNN only'][1] * 1e3:.1f}")
+    print("RESULT " + " ".join(p for p in parts if p))
     return 0
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from workbench.llama import Llama, rms_norm
+from workbench.llama import Llama, Packed, default_mkl_rows, linear, pack_weight, rms_norm
 
 ATOL = 2e-5
 
@@ -25,11 +25,11 @@ def model():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("onednn,mkl_rows", [(True, 0), (True, 2), (False, 0)])
 @pytest.mark.parametrize("k", [1, 2, 8])
-def test_verify_then_decode_matches_hf(model, onednn, k):
+def test_verify_then_decode_matches_hf(model, onednn, mkl_rows, k):
     """A k-token verify (not advancing), rollback-free re-verify, then decode == HF logits."""
-    llm = Llama(model, torch.float32, onednn=onednn)
+    llm = Llama(model, torch.float32, onednn=onednn, mkl_rows=mkl_rows)
     x = torch.randint(0, 256, (1, 30 + k + 3), generator=torch.Generator().manual_seed(k))
     with torch.no_grad():
         ref = model(x).logits[0]
@@ -82,3 +82,23 @@ def test_rms_norm_equals_hf_formula(dtype):
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
     torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, atol=1e-6, rtol=1e-6)
+
+
+def test_small_inputs_take_plain_f_linear_and_larger_ones_the_packed_weight(model, monkeypatch):
+    """`mkl_rows` decides which kernel a row count gets: bit-identical to that kernel alone."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)
+    p = Packed(pack_weight(w), w, 2)
+    for rows in (1, 2, 3, 8):
+        x = torch.randn(1, rows, 64, generator=g)
+        want = F.linear(x, w) if rows <= 2 else linear(x, p.packed)
+        assert torch.equal(linear(x, p), want), rows
+    assert p.shape == w.shape
+    monkeypatch.setenv("WORKBENCH_MKL_ROWS", "5")
+    assert default_mkl_rows(torch.float32) == 5
+    monkeypatch.delenv("WORKBENCH_MKL_ROWS")
+    assert default_mkl_rows(torch.bfloat16) == 0  # bf16 always packs
+    assert Llama(model, torch.float32, mkl_rows=0).layers[0].wo.is_mkldnn
+    assert isinstance(Llama(model, torch.float32, mkl_rows=2).head, Packed)

@@ -15,7 +15,8 @@ forward is meant to serve a speculative decoding engine, hence the cache API:
 
 Weights come from a loaded HF Llama model (fused qkv and gate/up copies in a chosen dtype);
 on CPU, fp32/bf16 matmul weights are packed once for oneDNN (see `linear`: verifying k tokens
-then costs about one decode step, and fp32 decode/prefill run 1.6x faster than on MKL here).
+then costs about one decode step, and fp32 decode/prefill ran 1.6x faster than on MKL on an AMD
+CPU); on Intel CPUs fp32 inputs of 1-2 rows stay on MKL, which streams them faster there.
 Per step, besides the matmuls, a layer applies RoPE to q and k in one pass, writes the cache
 with one slice copy per tensor when all rows are at the same length (batch 1 always), and
 SDPA gets an additive mask built once per forward: results are bit-identical to the
@@ -79,11 +80,11 @@ class KVCache:
 
 @dataclass
 class LayerWeights:
-    wqkv: Tensor  # [(H + 2 Hkv) * D, dim]
+    wqkv: Tensor | Packed  # [(H + 2 Hkv) * D, dim]
     bqkv: Tensor | None
-    wo: Tensor
-    w13: Tensor  # [2 * inter, dim]: gate then up
-    w2: Tensor
+    wo: Tensor | Packed
+    w13: Tensor | Packed  # [2 * inter, dim]: gate then up
+    w2: Tensor | Packed
     ln1: Tensor
     ln2: Tensor
 
@@ -112,7 +113,43 @@ def pack_weight(w: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
 
 
-def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+@dataclass
+class Packed:
+    """A packed weight plus its plain copy for inputs of at most `mkl_rows` rows (`linear`)."""
+
+    packed: Tensor
+    plain: Tensor
+    mkl_rows: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.plain.shape
+
+
+def default_mkl_rows(dtype: torch.dtype) -> int:
+    """Rows up to which fp32 matmuls stay on MKL (F.linear) rather than packed oneDNN.
+
+    Measured with the whole 30-layer SmolLM2 forward, one thread, CPU clock: on a Xeon with
+    AMX, MKL took 51.3 / 52.8 ms at 1 / 2 rows against oneDNN's 58.0 / 60.4 (85 vs 59 at 4
+    rows, 113 vs 70 at 8); on an AMD EPYC, oneDNN won at every row count (MKL runs its slower
+    kernels there). So 2 on Intel CPUs, 0 elsewhere; bf16 always packs (F.linear in bf16
+    re-lays the weight out on every call). The environment variable WORKBENCH_MKL_ROWS
+    overrides it."""
+    import os
+
+    if (env := os.environ.get("WORKBENCH_MKL_ROWS")) is not None:
+        return int(env)
+    if dtype != torch.float32:
+        return 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            intel = "GenuineIntel" in f.read(4096)
+    except OSError:
+        intel = False
+    return 2 if intel else 0
+
+
+def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     """`F.linear`, or oneDNN's inner product when `w` is packed (`pack_weight`).
 
     Why: a decode step is bound by reading the weights, so verifying k tokens should cost
@@ -122,8 +159,13 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     count measured (lm_head, one core: 1 row 3.1 vs 6.8 ms, 2 rows 3.4 vs 16, 8 rows 4.7 vs
     15; ~2x at 512-2048 rows) and agrees with F.linear to fp32 rounding. bf16 matmuls already
     run in oneDNN, but re-lay the weight out on every call: packed once they take half the
-    time at 1-8 rows, with identical results.
+    time at 1-8 rows, with identical results. On Intel CPUs MKL streams 1-2 rows faster than
+    oneDNN (`default_mkl_rows`), so a `Packed` weight sends inputs that small to F.linear.
     """
+    if isinstance(w, Packed):
+        if x.numel() <= w.mkl_rows * x.shape[-1]:
+            return F.linear(x, w.plain, b)
+        w = w.packed
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     return F.linear(x, w, b)
@@ -148,7 +190,11 @@ class Llama:
     """Llama-family decoder running on weights taken from an HF model."""
 
     def __init__(
-        self, hf_model, dtype: torch.dtype | str | None = None, onednn: bool | None = None
+        self,
+        hf_model,
+        dtype: torch.dtype | str | None = None,
+        onednn: bool | None = None,
+        mkl_rows: int | None = None,
     ):
         cfg = hf_model.config
         if isinstance(dtype, str):
@@ -195,10 +241,16 @@ class Llama:
         fits = dev.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
         self.onednn = fits if onednn is None else bool(onednn and fits)
         self.head = self.lm_head  # the weight the logits use (packed or `lm_head` itself)
+        # inputs of at most mkl_rows rows keep plain F.linear (a second copy of each weight)
+        self.mkl_rows = default_mkl_rows(dtype) if mkl_rows is None else mkl_rows
         if self.onednn:
+
+            def pack(w: Tensor) -> Tensor | Packed:
+                return Packed(pack_weight(w), w, self.mkl_rows) if self.mkl_rows else pack_weight(w)
+
             for L in self.layers:
-                L.wqkv, L.wo, L.w13, L.w2 = map(pack_weight, (L.wqkv, L.wo, L.w13, L.w2))
-            self.head = pack_weight(self.lm_head)
+                L.wqkv, L.wo, L.w13, L.w2 = map(pack, (L.wqkv, L.wo, L.w13, L.w2))
+            self.head = pack(self.lm_head)
 
     def logits_of(self, h: Tensor) -> Tensor:
         """Logits of pre-norm hidden states h [..., dim] (final norm, then lm_head)."""
