@@ -60,15 +60,10 @@ def regenerate(
     from workbench.data import regenerate as regen
     from workbench.target import load_target
 
-    cfg = RegenConfig(  # validates before anything is loaded or written
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        batch_size=batch_size,
-        dtype=dtype,
-        seed=seed,
-        samples=samples,
-        sample_temperature=sample_temperature,
-    )
+    # RegenConfig validates its fields before anything is loaded or written
+    cfg = RegenConfig(max_new_tokens=max_new_tokens, temperature=temperature, batch_size=batch_size,
+                      dtype=dtype, seed=seed, samples=samples,
+                      sample_temperature=sample_temperature)  # fmt: skip
     check_n(n)
     t = load_target(target)
     ps = select(load_prompt_set(prompts), n or None)
