@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from workbench.errors import WorkbenchError
 from workbench.llama import Llama, Packed, default_mkl_rows, linear, pack_weight, rms_norm
 
 ATOL = 2e-5
@@ -98,6 +99,9 @@ def test_small_inputs_take_plain_f_linear_and_larger_ones_the_packed_weight(mode
     assert p.shape == w.shape
     monkeypatch.setenv("WORKBENCH_MKL_ROWS", "5")
     assert default_mkl_rows(torch.float32) == 5
+    monkeypatch.setenv("WORKBENCH_MKL_ROWS", "two")
+    with pytest.raises(WorkbenchError, match="WORKBENCH_MKL_ROWS='two'"):
+        default_mkl_rows(torch.float32)
     monkeypatch.delenv("WORKBENCH_MKL_ROWS")
     assert default_mkl_rows(torch.bfloat16) == 0  # bf16 always packs
     assert Llama(model, torch.float32, mkl_rows=0).layers[0].wo.is_mkldnn

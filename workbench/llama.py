@@ -27,12 +27,15 @@ match HF exactly; length-dependent types (dynamic, longrope) are refused.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from workbench.errors import WorkbenchError
 
 
 @dataclass
@@ -138,15 +141,19 @@ def default_mkl_rows(dtype: torch.dtype) -> int:
     import os
 
     if (env := os.environ.get("WORKBENCH_MKL_ROWS")) is not None:
+        if not env.isdigit():
+            raise WorkbenchError(f"WORKBENCH_MKL_ROWS={env!r}: expected a row count such as 0 or 2")
         return int(env)
-    if dtype != torch.float32:
-        return 0
+    return 2 if dtype == torch.float32 and _intel_cpu() else 0
+
+
+@functools.cache
+def _intel_cpu() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            intel = "GenuineIntel" in f.read(4096)
+            return "GenuineIntel" in f.read(4096)
     except OSError:
-        intel = False
-    return 2 if intel else 0
+        return False
 
 
 def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
