@@ -32,6 +32,7 @@ from workbench.engine import (
     speed_figures,
     speed_report,
 )
+from workbench.engine.speed import served_setting
 from workbench.errors import WorkbenchError
 from workbench.generate import generate_batch
 from workbench.layers import LayerIds
@@ -288,6 +289,21 @@ def test_served_setting_is_reported_as_measured_on_other_prompts():
     assert f["best_speedup"] == pytest.approx(1.05) and f["best_speedup_config"] == "3/1/4"
     with pytest.raises(ValueError, match="not measured"):
         speed_figures(SpecParams(5, 4, 8), rows)
+
+
+def test_served_setting_takes_the_calibrated_setting_and_says_when_it_falls_back():
+    fallback = SpecParams(3, 1, 4)
+    assert served_setting("1/1/2", fallback)[0] == SpecParams(1, 1, 2)
+    assert served_setting(" 3/2/6 ", fallback)[0] == SpecParams(3, 2, 6)
+    got, why = served_setting("", fallback)
+    assert got == fallback and "3/1/4" in why
+    got, why = served_setting("plain", fallback)  # the calibration chose no speculation
+    assert got == fallback and "plain decoding" in why and "3/1/4" in why
+    for bad in ("3-1-4", "3/1", "a/b/c", "3/1/4/5"):
+        with pytest.raises(ValueError, match="steps/topk/tokens"):
+            served_setting(bad, fallback)
+    with pytest.raises(SpecError, match="hard limit|>= 1"):
+        served_setting("0/1/1", fallback)
 
 
 def test_speed_report_refuses_to_choose_on_the_reporting_prompts():

@@ -31,8 +31,8 @@ def test_notebook_04_serves_loads_and_records(tiny_target, tiny_target_dir, tmp_
     pm.execute_notebook(
         str(NB), str(executed), kernel_name="python3", progress_bar=False, cwd=str(tmp_path),
         parameters={"target": str(tiny_target_dir), "draft": str(export), "n_prompts": 3,
-                    "max_new_tokens": 12, "concurrency": 2, "num_steps": 2, "eagle_topk": 1,
-                    "num_draft_tokens": 3},
+                    "max_new_tokens": 12, "concurrency": 2, "num_steps": 3, "eagle_topk": 1,
+                    "num_draft_tokens": 4, "spec_config": "2/1/3"},  # spec_config wins
     )  # fmt: skip
     nb = json.loads(executed.read_text())
     outs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
@@ -49,8 +49,9 @@ def test_notebook_04_serves_loads_and_records(tiny_target, tiny_target_dir, tmp_
     rec = json.loads((tmp_path / "figures.json").read_text())["04"]
     assert rec["serve_status"] == "complete" and rec["serve_identities_ok"] is True
     assert rec["serve_tau_sglang"] >= 1.0 and rec["serve_tok_s"] > 0 and rec["serve_speedup"] > 0
+    assert rec["serve_config"] == "2/1/3"
     cycles = _check_anatomy(tmp_path, rec)  # the local engine's trace
-    assert all(c["hidden_in_dims"] == [3 * 64, 64] for c in cycles)  # k*H, then H (2 steps)
+    assert all(c["hidden_in_dims"] == [3 * 64, 64] for c in cycles)  # k*H, then H: 2 steps served
     for name in ("eagle3", "plain"):
         saved = json.loads((tmp_path / f"load-{name}.json").read_text())
         assert saved["status"] == "complete" and len(saved["requests"]) == 3

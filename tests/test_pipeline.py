@@ -8,6 +8,7 @@ import pytest
 from workbench.errors import WorkbenchError
 from workbench.pipeline import PIPELINE_PROFILES, stages
 from workbench.report.params import validate_parameters
+from workbench.report.stages import resolve_references
 
 
 @pytest.mark.parametrize("profile", sorted(PIPELINE_PROFILES))
@@ -29,3 +30,16 @@ def test_experiment_stages_are_opt_in_and_match_their_notebooks():
     assert [s.name for s in got] == ["capture", "train", "inspect", "serve", "steps", "nccl"]
     for s in got[4:]:
         validate_parameters(s.notebook, s.parameters)
+
+
+def test_serve_stage_serves_the_setting_the_inspect_stage_chose():
+    """Notebook 03 chooses the setting on its calibration prompts (the prompt set's last ones);
+    the serve stage launches that setting, not notebook 04's default."""
+    serve = stages("quick")[-1]
+    done = {
+        "inspect": {"figures": {"served_config": "1/1/2"}, "parameters": {}},
+        "train": {"figures": {}, "parameters": {"export_dir": "/x/export-sglang"}},
+    }
+    params = resolve_references(serve.parameters, done)
+    assert params["spec_config"] == "1/1/2" and params["draft"] == "/x/export-sglang"
+    validate_parameters(serve.notebook, params)

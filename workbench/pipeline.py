@@ -132,6 +132,7 @@ def stages(
                 "backend": "local",
                 "target": target,
                 "draft": "${train.export_dir}",
+                "spec_config": "${inspect.served_config}",  # chosen on other prompts than these
                 "n_prompts": 8,
                 "max_new_tokens": 64,
             },

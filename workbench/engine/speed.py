@@ -65,12 +65,36 @@ def choose_params(
     )
 
 
+def parse_config(item: str) -> SpecParams:
+    """One "steps/topk/tokens" setting (e.g. "3/1/4"), validated by SGLang's rules."""
+    parts = item.strip().split("/")
+    if len(parts) != 3 or not all(x.strip().isdigit() for x in parts):
+        raise ValueError(
+            f"speculative setting {item.strip()!r}: expected steps/topk/tokens as three whole "
+            "numbers, e.g. 3/1/4 (num_steps 3, eagle_topk 1, num_draft_tokens 4)"
+        )
+    return resolve_params(*(int(x) for x in parts))
+
+
 def parse_configs(spec: str) -> list[SpecParams]:
-    out = []
-    for item in spec.split(","):
-        s, k, n = (int(x) for x in item.strip().split("/"))
-        out.append(resolve_params(s, k, n))
-    return out
+    """Comma-separated settings, e.g. "1/1/2,3/1/4"."""
+    return [parse_config(item) for item in spec.split(",")]
+
+
+def served_setting(spec_config: str, fallback: SpecParams) -> tuple[SpecParams, str]:
+    """The setting a server is launched with: `spec_config` ("steps/topk/tokens", typically
+    notebook 03's `served_config`, chosen on calibration prompts) or `fallback`. When the
+    calibration chose plain decoding, speculation is still measured, at `fallback`, so the
+    report shows what it would cost; the returned note says which case applied."""
+    value = spec_config.strip()
+    if not value:
+        return fallback, f"setting {fallback} (the notebook's num_steps/eagle_topk/tokens)"
+    if value == PLAIN:
+        return fallback, (
+            f"the calibration chose plain decoding (no setting beat it); speculation is still "
+            f"measured, at {fallback}, to show what it costs"
+        )
+    return parse_config(value), f"setting {value} (spec_config, chosen by a calibration)"
 
 
 def hf_generate(model, ids: list[int], max_new: int, eos: list[int], pad: int) -> list[int]:
