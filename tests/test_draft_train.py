@@ -569,3 +569,23 @@ def test_a_capture_rewritten_by_newer_code_still_resumes_its_training(env, tmp_p
     mf.write_text(json.dumps(man | {"max_length": 32}))
     with pytest.raises(TrainError, match="capture hash: checkpoint"):
         train(replace(cfg, resume=True), target, CaptureReader(cap))
+
+
+def test_collate_pads_to_a_multiple_of_64_within_max_len():
+    """Few distinct batch shapes (oneDNN makes a GEMM kernel per shape), never past max_len."""
+    from workbench.draft.data import collate
+
+    def sample(n):
+        return {"input_ids": torch.arange(n), "loss_mask": torch.ones(n), "aux_hidden":
+                torch.ones(n, 6), "last_hidden": torch.ones(n, 2)}  # fmt: skip
+
+    reader = [sample(70), sample(5), sample(130)]
+    argmax = {i: torch.zeros(len(reader[i]["input_ids"]), dtype=torch.int32) for i in range(3)}
+    t2d = torch.ones(4, dtype=torch.bool)
+    cpu = torch.device("cpu")
+    b = collate(reader, [0, 1], argmax, t2d, 1024, cpu)
+    assert b["input_ids"].shape == (2, 128) and b["aux_hidden"].shape == (2, 128, 6)
+    assert b["token_mask"].sum(1).tolist() == [70, 5]  # the padding is masked out
+    assert collate(reader, [1], argmax, t2d, 1024, cpu)["input_ids"].shape == (1, 64)
+    assert collate(reader, [2], argmax, t2d, 150, cpu)["input_ids"].shape == (1, 150)  # capped
+    assert collate(reader, [2], argmax, t2d, 100, cpu)["token_mask"].sum() == 100  # truncated

@@ -161,3 +161,66 @@ def test_fast_unroll_equals_the_reference_unroll(sample, monkeypatch):
     assert torch.equal(st_fast[:, 1:], st_ref[:, 1:])
     for k in g_ref:
         torch.testing.assert_close(g_fast[k], g_ref[k], atol=1e-5, rtol=1e-4)
+
+
+def test_right_padding_changes_nothing_but_the_shapes():
+    """collate pads each batch to a multiple of 64 tokens (oneDNN builds a GEMM kernel per
+    shape): the fast unroll scores every row and masks the loss, so extra right padding must
+    leave loss, statistics and gradients as they were."""
+    from test_draft_model import tiny_draft
+
+    torch.manual_seed(8)
+    d = tiny_draft(dvocab=64).double()
+    B, T, K, P = 2, 21, 4, 11
+    batch = {
+        "input_ids": torch.randint(0, 256, (B, T)),
+        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
+        "loss_mask": torch.rand(B, T) < 0.8,
+        "in_vocab": torch.rand(B, T) < 0.9,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+    batch["token_mask"][1, 15:] = False  # a shorter row, already padded
+    batch["loss_mask"][1, 15:] = False
+    tl = torch.randn(B, T, 64, dtype=torch.float64) * 3
+    padded = {k: torch.nn.functional.pad(v, (0, 0, 0, P) if v.dim() == 3 else (0, P))
+              for k, v in batch.items()}  # fmt: skip
+    tl_padded = torch.nn.functional.pad(tl, (0, 0, 0, P))
+    out = []
+    for b, t in ((batch, tl), (padded, tl_padded)):
+        masks = step_masks(b, K, all_tokens=True)
+        denom = torch.stack([m.sum() for m in masks]).double()
+        d.zero_grad()
+        loss, st = TTTModel(d, K, 0.8)(b, t, masks, denom)
+        loss.backward()
+        out.append((loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}))
+    (l0, st0, g0), (l1, st1, g1) = out
+    torch.testing.assert_close(l1, l0, atol=1e-6, rtol=1e-6)  # soft_ce works in fp32
+    torch.testing.assert_close(st1, st0, atol=1e-5, rtol=1e-6)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_keep_freed_memory_stops_large_blocks_faulting_in_again():
+    """After keep_freed_memory, a freed 64 MB tensor's pages are reused by the next one
+    instead of being unmapped and faulted in again (run in a fresh process: it is global)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, sys, torch\n"
+        "from workbench.draft.ttt import keep_freed_memory\n"
+        "if sys.argv[1] == 'keep': assert keep_freed_memory()\n"
+        "def faults():\n"
+        "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "    torch.ones(16 << 20)\n"  # 64 MB, touched, freed
+        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0\n"
+        "faults()\n"
+        "print(min(faults() for _ in range(3)))\n"
+    )
+    got = {}
+    for mode in ("default", "keep"):
+        r = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        got[mode] = int(r.stdout.split()[-1])
+    assert got["default"] > 10_000  # 16K 4 KB pages faulted in on every allocation
+    assert got["keep"] < 1_000, got

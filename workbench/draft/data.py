@@ -206,10 +206,16 @@ def collate(
     t2d: torch.Tensor,
     max_len: int,
     device: torch.device,
+    pad_multiple: int = 64,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded batch; right padding needs no attention mask under causal attention."""
+    """Right-padded batch; right padding needs no attention mask under causal attention.
+
+    The length is rounded up to a multiple of `pad_multiple` (at most `max_len`): on a CPU,
+    oneDNN builds its GEMM kernels per shape, and a new length every step cost a 4 x 240-token
+    step about twice its compute (benchmarks/bench_train.py --lengths)."""
     samples = [reader[i] for i in indices]
-    T = min(max_len, max(int(s["input_ids"].numel()) for s in samples))
+    longest = max(int(s["input_ids"].numel()) for s in samples)
+    T = min(max_len, -(-longest // pad_multiple) * pad_multiple)
     B = len(samples)
     k_h = samples[0]["aux_hidden"].shape[-1]
     H = samples[0]["last_hidden"].shape[-1]

@@ -54,7 +54,7 @@ from workbench.draft.data import (
 from workbench.draft.errors import TrainError
 from workbench.draft.evaluate import evaluate_stats
 from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
-from workbench.draft.ttt import TTTModel, summarize, unroll_masks
+from workbench.draft.ttt import TTTModel, keep_freed_memory, summarize, unroll_masks
 from workbench.draft.vocab import (
     EMBEDDED_DRAFT_VOCAB,
     DraftVocab,
@@ -293,6 +293,8 @@ def train(cfg: TrainConfig, target: Any = None, reader: Any = None) -> dict[str,
     d = setup_dist(device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if device.type == "cpu":
+        keep_freed_memory()
     try:
         reader = reader if reader is not None else open_capture(cfg.capture)  # cheap: first
         if target is None:

@@ -23,6 +23,7 @@ baseline the tests and the benchmark compare against.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import Any
 
@@ -102,6 +103,22 @@ def soft_ce(
     return _SoftCE.apply(z, t.detach(), chunk)
 
 
+def keep_freed_memory() -> bool:
+    """Serve large CPU tensors from the heap, not from fresh pages (glibc; process-wide).
+
+    glibc maps every block above 32 MB afresh and unmaps it on free, so a step's logits and
+    their gradients were page-faulted in again each step: 150-590K minor faults per step of
+    the full preset, about 12% of its time. With mmap off (M_MMAP_MAX 0) and a high trim
+    threshold, freed blocks stay in the heap for the next step. False where libc is not glibc.
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 class TTTModel(nn.Module):
     """The unrolled training-time test as one module (one forward per backward under DDP).
 
@@ -159,30 +176,35 @@ class TTTModel(nn.Module):
             if idx is None or i == 0:
                 in_ids = F.pad(ids[:, s:], (0, s))
                 _, h = d(in_ids, h, pos + i, ttt=kv, logits=False)
-                hs = h[:, :L][m]
-                rows, cols = m.nonzero(as_tuple=True)
-                at = cols + s
-                ok = torch.zeros(B, L, dtype=torch.bool, device=ids.device)
+                at_all = pos[:, :L] + s
             else:
                 if i == 1:
                     h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
                     prefix = prefix.gather(1, idx)
                 _, h = d(ids_ext.gather(1, idx + s), h, idx + i, ttt=kv, ttt_pos=idx, logits=False)
-                hs = h[m]
-                rows, cols = m.nonzero(as_tuple=True)
-                at = idx[rows, cols] + s
-                ok = torch.zeros_like(m)
-            tg = targ[rows, at]
-            z = d.lm_head(d.norm(hs))
+                at_all = idx + s
             if ref:
-                p = tprob[:, s:][m] if idx is None or i == 0 else tprob[rows, at]
+                hs = h[:, :L][m] if idx is None or i == 0 else h[m]
+                rows, cols = m.nonzero(as_tuple=True)
+                at = at_all[rows, cols]
+                z = d.lm_head(d.norm(hs))
+                p = tprob[rows, at]
                 logp = z.float().log_softmax(-1)
                 ce, top = -(p * logp).sum(-1), logp.argmax(-1)
+                ok = torch.zeros_like(m)
+                ok[m] = top == targ[rows, at]
             else:
-                ce, top = soft_ce(z, tflat.index_select(0, rows * T + at))
+                # every row of the step is scored and the mask weights the loss: shapes then
+                # depend on T only, not on how many positions a batch's masks keep, so the
+                # CPU's GEMM kernels (oneDNN creates one per shape) are made once per T bucket
+                hs = h[:, :L] if idx is None or i == 0 else h
+                flat = torch.arange(B, device=ids.device)[:, None] * T + at_all.clamp(max=T - 1)
+                z = d.lm_head(d.norm(hs.reshape(-1, hs.shape[-1])))
+                ce, top = soft_ce(z, tflat.index_select(0, flat.reshape(-1)))
+                ce = ce.view(m.shape) * m
+                ok = (top.view(m.shape) == targ.gather(1, at_all.clamp(max=T - 1))) & m
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
-                ok[m] = top == tg
                 stats[i, 0] = ce.sum().detach()
                 stats[i, 1:5], prefix = _step_counts(ok, m, prefix)
                 if masks_all is not None:
