@@ -13,17 +13,30 @@ Last line: `RESULT train_tok_s=... ref_train_tok_s=... speedup=... loss_rel_diff
 ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--cost-ratio` adds
 `ttt_cost_ratio`: a full (unsampled) TTT-N forward+backward relative to a single-step one
 (goal <= N x: the unroll adds no waste beyond its N steps).
+
+`--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
+batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
+`epoch_batches` does) go through the trainer's own `collate`, exact-length (`pad_multiple` 1)
+vs padded to multiples of 64, after 16 warm-up steps each; then the padded run again in a
+child process with `keep_freed_memory` (glibc's mmap of large blocks is process-wide, so it
+cannot be undone in one process). tok/s counts real tokens, not padding. Last line:
+`RESULT exact_tok_s=... padded_tok_s=... padded_keep_tok_s=... speedup=...` (the last over
+the first).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import torch
 
+from workbench.draft.data import collate, epoch_batches
 from workbench.draft.model import DraftConfig, Eagle3Draft
-from workbench.draft.ttt import TTTModel, unroll_masks
+from workbench.draft.ttt import TTTModel, keep_freed_memory, unroll_masks
 from workbench.layers import LayerIds
 
 
@@ -56,6 +69,71 @@ def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
     return best
 
 
+def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) -> float:
+    """Real tokens/s over `steps` fresh batches of varying length (after `warmup` others)."""
+    g = torch.Generator().manual_seed(0)
+    V, H = args.vocab, 576
+    n = (steps + warmup) * args.batch
+    lens = (torch.randn(n, generator=g) * 0.6 + torch.log(torch.tensor(240.0))).exp()
+    lens = lens.clamp(16, args.seq).long().tolist()
+    reader = [
+        {"input_ids": torch.randint(0, 49152, (m,), generator=g),
+         "loss_mask": torch.rand(m, generator=g) < 0.7,
+         "aux_hidden": torch.randn(m, 3 * H, generator=g),
+         "last_hidden": torch.randn(m, H, generator=g)}
+        for m in lens
+    ]  # fmt: skip
+    argmax = {i: torch.randint(0, V, (m,), generator=g) for i, m in enumerate(lens)}
+    t2d = torch.rand(V, generator=g) < 0.9
+    batches = epoch_batches(list(range(n)), lens, args.batch, 0, 0)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(smollm2_config(V))
+    draft.set_vocab(torch.arange(V) * (49152 // V))
+    draft.embed_tokens.normal_(0, 0.02)
+    head_rows = torch.randn(V, H) * 0.02
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    model = TTTModel(draft, args.ttt, 0.8)
+    toks, t0 = 0, 0.0
+    for j, gb in enumerate(batches):
+        if j == warmup:
+            toks, t0 = 0, time.perf_counter()
+        batch = collate(reader, gb, argmax, t2d, args.seq, torch.device("cpu"), pad_multiple)
+        masks, idx = unroll_masks(batch, args.ttt, args.ttt_sample, all_tokens=True)
+        denom = torch.stack([m.sum() for m in masks]).float()
+        tl = batch["last_hidden"] @ head_rows.T
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            loss = model(batch, tl, masks, denom, idx=idx)[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 0.5)
+        opt.step()
+        toks += sum(lens[i] for i in gb)
+    return toks / (time.perf_counter() - t0)
+
+
+def lengths_main(args) -> None:
+    if args.child:  # the padded run with large blocks kept in the heap, in a fresh process
+        assert keep_freed_memory(), "keep_freed_memory needs glibc"
+        print(json.dumps({"tok_s": varying_lengths(args, 64)}))
+        return
+    exact = varying_lengths(args, 1)
+    padded = varying_lengths(args, 64)
+    child = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--child"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    keep = json.loads(child.stdout.strip().splitlines()[-1])["tok_s"]
+    print(
+        f"varying lengths, batch {args.batch}, draft vocab {args.vocab}, amp {args.amp}, threads "
+        f"{torch.get_num_threads()}: exact lengths {exact:.0f} tok/s, padded to x64 {padded:.0f}, "
+        f"padded + large blocks kept in the heap {keep:.0f}"
+    )
+    print(
+        f"RESULT exact_tok_s={exact:.1f} padded_tok_s={padded:.1f} padded_keep_tok_s={keep:.1f} "
+        f"speedup={keep / exact:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=4)
@@ -69,10 +147,15 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (with --threads 1: robust on a loaded box)")  # fmt: skip
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
+    ap.add_argument("--lengths", action="store_true",
+                    help="fresh batches of varying length: exact vs padded, heap kept or not")  # fmt: skip
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.lengths:
+        return lengths_main(args)
     torch.manual_seed(0)
     cfg = smollm2_config(args.vocab)
     draft = Eagle3Draft(cfg)

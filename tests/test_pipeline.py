@@ -43,3 +43,10 @@ def test_serve_stage_serves_the_setting_the_inspect_stage_chose():
     params = resolve_references(serve.parameters, done)
     assert params["spec_config"] == "1/1/2" and params["draft"] == "/x/export-sglang"
     validate_parameters(serve.notebook, params)
+
+
+def test_train_stage_key_carries_the_preset_values():
+    from workbench.draft.train import PRESETS
+
+    train = stages("quick")[1]
+    assert train.name == "train" and train.key_extra == {"preset": PRESETS["quick"]}

@@ -342,3 +342,14 @@ def test_project_notebooks_parse_without_papermill_warnings(caplog):
     for nb in sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb")):
         assert R.notebook_parameters(nb), nb
     assert [r.getMessage() for r in caplog.records] == []
+
+
+def test_an_edited_key_extra_reruns_the_stage(tmp_path):
+    """The pipeline's train stage names a preset; the preset's values are in its skip key, so
+    editing the preset retrains instead of reusing the old draft."""
+    rd = tmp_path / "reports"
+    stage = R.Stage(STAGE, {"value": 1}, name="s", key_extra={"preset": {"epochs": 7}})
+    assert [r.status for r in R.run_stages([stage], rd, log=lambda s: None)] == ["ok"]
+    assert [r.status for r in R.run_stages([stage], rd, log=lambda s: None)] == ["skipped"]
+    stage.key_extra = {"preset": {"epochs": 12}}
+    assert [r.status for r in R.run_stages([stage], rd, log=lambda s: None)] == ["ok"]

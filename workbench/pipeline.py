@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.draft.train import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.report import Stage
 from workbench.target import EMBEDDED_NAME, workbench_home
@@ -113,6 +114,7 @@ def stages(
                 "out_dir": str(home / "draft"),
                 "export_dir": str(home / "export-sglang"),
             },
+            key_extra={"preset": PRESETS[p.train_profile]},  # an edited preset retrains
         ),
         Stage(
             NOTEBOOKS / "03_inspect_draft.ipynb",

@@ -36,12 +36,15 @@ class Stage:
     """One pipeline step. Parameter values may reference earlier stages as `${stage.name}`:
     the stage's recorded figure `name` if it recorded one, else its parameter `name` (a whole-
     string reference keeps the value's type). `outputs` names parameters this stage writes
-    (paths): they are not hashed as inputs, and a skip requires them to still exist."""
+    (paths): they are not hashed as inputs, and a skip requires them to still exist.
+    `key_extra` holds what the result depends on beyond the parameters (the training preset a
+    profile name stands for): hashed into the skip key, so editing it reruns the stage."""
 
     notebook: str | Path
     parameters: dict[str, Any] = field(default_factory=dict)
     name: str | None = None
     outputs: tuple[str, ...] = ()
+    key_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.name = self.name or Path(self.notebook).stem
@@ -87,6 +90,8 @@ def stage_key(stage: Stage, parameters: dict[str, Any]) -> str:
         "parameters": jsonable(parameters),
         "inputs": {k: v["sha256"] for k, v in input_artifacts(parameters, stage.outputs).items()},
     }
+    if stage.key_extra:  # only when set: the keys of stages without it stay as they were
+        doc["extra"] = jsonable(stage.key_extra)
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
