@@ -17,11 +17,10 @@ ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--c
 `--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
 batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
 `epoch_batches` does) go through the trainer's own `collate`, exact-length (`pad_multiple` 1)
-vs padded to multiples of 64, after 16 warm-up steps each; then the padded run again in a
-child process with `keep_freed_memory` (glibc's mmap of large blocks is process-wide, so it
-cannot be undone in one process). tok/s counts real tokens, not padding. Last line:
-`RESULT exact_tok_s=... padded_tok_s=... padded_keep_tok_s=... speedup=...` (the last over
-the first).
+vs padded to multiples of 64 vs padded with `keep_freed_memory`, each in a fresh process
+(glibc's heap setting is process-wide) after the same 16 warm-up steps. tok/s counts real
+tokens, not padding. Last line: `RESULT exact_tok_s=... padded_tok_s=... padded_keep_tok_s=...
+speedup=...` (the last over the first). `--batch 8 --vocab 8192 --seq 1536`: the full preset.
 """
 
 from __future__ import annotations
@@ -112,17 +111,22 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
 
 
 def lengths_main(args) -> None:
-    if args.child:  # the padded run with large blocks kept in the heap, in a fresh process
-        assert keep_freed_memory(), "keep_freed_memory needs glibc"
-        print(json.dumps({"tok_s": varying_lengths(args, 64)}))
+    """Each variant in a fresh process (kernel caches cold alike; the heap setting is global)."""
+    if args.child:
+        keep = args.child == "keep"
+        if keep:
+            assert keep_freed_memory(), "keep_freed_memory needs glibc"
+        tok_s = varying_lengths(args, 1 if args.child == "exact" else 64)
+        print(json.dumps({"tok_s": tok_s}))
         return
-    exact = varying_lengths(args, 1)
-    padded = varying_lengths(args, 64)
-    child = subprocess.run(
-        [sys.executable, __file__, *sys.argv[1:], "--child"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    keep = json.loads(child.stdout.strip().splitlines()[-1])["tok_s"]
+    got = {}
+    for variant in ("exact", "padded", "keep"):
+        child = subprocess.run(
+            [sys.executable, __file__, *sys.argv[1:], "--child", variant],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        got[variant] = json.loads(child.stdout.strip().splitlines()[-1])["tok_s"]
+    exact, padded, keep = got["exact"], got["padded"], got["keep"]
     print(
         f"varying lengths, batch {args.batch}, draft vocab {args.vocab}, amp {args.amp}, threads "
         f"{torch.get_num_threads()}: exact lengths {exact:.0f} tok/s, padded to x64 {padded:.0f}, "
@@ -149,7 +153,7 @@ def main() -> None:
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
     ap.add_argument("--lengths", action="store_true",
                     help="fresh batches of varying length: exact vs padded, heap kept or not")  # fmt: skip
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=["exact", "padded", "keep"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
