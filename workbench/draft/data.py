@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from workbench.draft.errors import TrainError
+from workbench.draft.ttt import release_freed_memory
 from workbench.fsutil import atomic_write_bytes
 from workbench.layers import CANONICAL, LayerIds, validate
 
@@ -151,6 +152,7 @@ def target_argmax(
         buf = io.BytesIO()
         torch.save({"key": key, "argmax": out}, buf)
         atomic_write_bytes(cache, buf.getvalue())
+    release_freed_memory()  # the [1024, vocab] logit blocks are not a training step's sizes
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from workbench.draft.data import TargetHead, collate
-from workbench.draft.ttt import TTTModel, step_masks
+from workbench.draft.ttt import TTTModel, release_freed_memory, step_masks
 
 
 @torch.no_grad()
@@ -45,4 +45,5 @@ def evaluate_stats(
             _, st = model(batch, tl, masks, denom, masks_all=masks_all)
         stats += st
     model.train()
+    release_freed_memory()  # its blocks (other shapes than a step's) would stay in the heap
     return stats

@@ -23,6 +23,7 @@ baseline the tests and the benchmark compare against.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 from typing import Any
@@ -117,6 +118,13 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim`): after work whose blocks
+    a training step does not reuse (the target argmax, an evaluation: +0.9 GB kept otherwise)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class TTTModel(nn.Module):
