@@ -233,5 +233,8 @@ def check_resume(
             problems.append(f"{k}: checkpoint {was!r}, now {now!r}")
     if problems:
         raise TrainError(
-            "cannot resume: the run differs from the checkpoint:\n  " + "\n  ".join(problems)
+            "cannot resume: the run differs from the checkpoint:\n  "
+            + "\n  ".join(problems)
+            + "\nStart afresh with --force (the old run is moved aside) or another --out; "
+            "under `workbench pipeline` (an edited preset), move the profile's draft folder aside"
         )
