@@ -55,6 +55,14 @@ def smollm2_config(draft_vocab: int) -> DraftConfig:
     )
 
 
+def random_draft(draft_vocab: int) -> Eagle3Draft:
+    """A randomly initialised draft at SmolLM2 shapes (draft vocab spread over the target's)."""
+    draft = Eagle3Draft(smollm2_config(draft_vocab))
+    draft.set_vocab(torch.arange(draft_vocab) * (49152 // draft_vocab))
+    draft.embed_tokens.normal_(0, 0.02)
+    return draft
+
+
 def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
     """Min time per fn over interleaved reps: robust to other processes on a shared CPU."""
     for fn in fns:
@@ -86,9 +94,7 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
     t2d = torch.rand(V, generator=g) < 0.9
     batches = epoch_batches(list(range(n)), lens, args.batch, 0, 0)
     torch.manual_seed(0)
-    draft = Eagle3Draft(smollm2_config(V))
-    draft.set_vocab(torch.arange(V) * (49152 // V))
-    draft.embed_tokens.normal_(0, 0.02)
+    draft = random_draft(V)
     head_rows = torch.randn(V, H) * 0.02
     opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
     model = TTTModel(draft, args.ttt, 0.8)
@@ -161,10 +167,7 @@ def main() -> None:
     if args.lengths:
         return lengths_main(args)
     torch.manual_seed(0)
-    cfg = smollm2_config(args.vocab)
-    draft = Eagle3Draft(cfg)
-    draft.set_vocab(torch.arange(args.vocab) * (49152 // args.vocab))
-    draft.embed_tokens.normal_(0, 0.02)
+    draft = random_draft(args.vocab)
     B, T, H = args.batch, args.seq, 576
     batch = {
         "input_ids": torch.randint(0, 49152, (B, T)),

@@ -18,6 +18,17 @@ from workbench.draft.ttt import (
 )
 
 
+def random_batch(B: int, T: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A batch over the tiny draft's shapes (vocab 256, 3 aux layers of 64), every token real."""
+    return {
+        "input_ids": torch.randint(0, 256, (B, T)),
+        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=dtype),
+        "loss_mask": torch.rand(B, T) < 0.8,
+        "in_vocab": torch.rand(B, T) < 0.9,
+        "token_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+
+
 def test_step_masks_alignment():
     lm = torch.tensor([[0, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)  # last token is padding
     inv = torch.tensor([[1, 1, 1, 0, 1, 1, 1]], dtype=torch.bool)
@@ -56,13 +67,7 @@ def test_subsampled_unroll_equals_full_unroll_at_the_sampled_positions():
     torch.manual_seed(3)
     d = tiny_draft(dvocab=64).double()
     B, T, K = 3, 17, 4
-    batch = {
-        "input_ids": torch.randint(0, 256, (B, T)),
-        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
-        "loss_mask": torch.rand(B, T) < 0.8,
-        "in_vocab": torch.rand(B, T) < 0.9,
-        "token_mask": torch.ones(B, T, dtype=torch.bool),
-    }
+    batch = random_batch(B, T, torch.float64)
     batch["loss_mask"][2, 12:] = False  # a short row
     tl = torch.randn(B, T, 64, dtype=torch.float64)
     model = TTTModel(d, K, 0.8)
@@ -128,13 +133,7 @@ def test_fast_unroll_equals_the_reference_unroll(sample, monkeypatch):
     torch.manual_seed(6)
     d = tiny_draft(dvocab=64)
     B, T, K = 3, 40, 4  # sampled: 13 positions, the attention runs in chunks
-    batch = {
-        "input_ids": torch.randint(0, 256, (B, T)),
-        "aux_hidden": torch.randn(B, T, 3 * 64),
-        "loss_mask": torch.rand(B, T) < 0.8,
-        "in_vocab": torch.rand(B, T) < 0.9,
-        "token_mask": torch.ones(B, T, dtype=torch.bool),
-    }
+    batch = random_batch(B, T)
     tl = torch.randn(B, T, 64) * 3
     masks, idx = unroll_masks(batch, K, sample)
     assert (idx is None) == (sample == 1.0)
@@ -172,13 +171,7 @@ def test_right_padding_changes_nothing_but_the_shapes():
     torch.manual_seed(8)
     d = tiny_draft(dvocab=64).double()
     B, T, K, P = 2, 21, 4, 11
-    batch = {
-        "input_ids": torch.randint(0, 256, (B, T)),
-        "aux_hidden": torch.randn(B, T, 3 * 64, dtype=torch.float64),
-        "loss_mask": torch.rand(B, T) < 0.8,
-        "in_vocab": torch.rand(B, T) < 0.9,
-        "token_mask": torch.ones(B, T, dtype=torch.bool),
-    }
+    batch = random_batch(B, T, torch.float64)
     batch["token_mask"][1, 15:] = False  # a shorter row, already padded
     batch["loss_mask"][1, 15:] = False
     tl = torch.randn(B, T, 64, dtype=torch.float64) * 3

@@ -23,8 +23,8 @@ baseline the tests and the benchmark compare against.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
+import functools
 import math
 from typing import Any
 
@@ -112,19 +112,28 @@ def keep_freed_memory() -> bool:
     the full preset, about 12% of its time. With mmap off (M_MMAP_MAX 0) and a high trim
     threshold, freed blocks stay in the heap for the next step. False where libc is not glibc.
     """
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return False
     m_trim_threshold, m_mmap_max = -1, -4
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 1 << 30))
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc `malloc_trim`): after work whose blocks
     a training step does not reuse (the target argmax, an evaluation: +0.9 GB kept otherwise)."""
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing was kept
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if (libc := _glibc()) is not None:  # not glibc: nothing was kept
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """glibc with its allocator controls, or None (another C library)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 class TTTModel(nn.Module):
@@ -206,11 +215,12 @@ class TTTModel(nn.Module):
                 # depend on T only, not on how many positions a batch's masks keep, so the
                 # CPU's GEMM kernels (oneDNN creates one per shape) are made once per T bucket
                 hs = h[:, :L] if idx is None or i == 0 else h
-                flat = torch.arange(B, device=ids.device)[:, None] * T + at_all.clamp(max=T - 1)
+                at = at_all.clamp(max=T - 1)  # rows past the end are masked out anyway
+                flat = torch.arange(B, device=ids.device)[:, None] * T + at
                 z = d.lm_head(d.norm(hs.reshape(-1, hs.shape[-1])))
                 ce, top = soft_ce(z, tflat.index_select(0, flat.reshape(-1)))
                 ce = ce.view(m.shape) * m
-                ok = (top.view(m.shape) == targ.gather(1, at_all.clamp(max=T - 1))) & m
+                ok = (top.view(m.shape) == targ.gather(1, at)) & m
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
                 stats[i, 0] = ce.sum().detach()
