@@ -24,9 +24,12 @@ from workbench.findings import ERROR, has_errors
 from workbench.inspect import (
     EvalResult,
     RequestResult,
+    calibration_prompts,
     cycle_anatomy,
     evaluate_draft,
+    load_prompts,
     missed_tokens,
+    spread,
     time_breakdown,
     token_html,
 )
@@ -47,6 +50,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _req(accepted, steps=3, cat="a", rid="r"):
     n = 1 + sum(accepted)
     return RequestResult(rid, cat, [5, 6], list(range(10, 10 + n)), accepted, steps)
+
+
+def test_spread_takes_evenly_spaced_items_in_order():
+    assert spread(list(range(10)), 2) == [2, 7]
+    assert spread(list(range(10)), 5) == [1, 3, 5, 7, 9]
+    assert spread([1, 2], 5) == [1, 2] and spread([], 3) == [] and spread([1], 0) == []
+
+
+def test_calibration_prompts_span_mtbench_categories_and_avoid_the_reported_ones():
+    """MT-bench is 8 categories of 10: the set's last prompts are all humanities essays, where a
+    draft accepts least, so a choice made there is a choice for one category."""
+    pool = load_prompts("mtbench", 0)
+    inspected = pool[:16]
+    calib = calibration_prompts(pool, 4, [p.id for p in inspected[:4]], [p.id for p in inspected])
+    assert len(calib) == 4 and len({p.category for p in calib}) == 4
+    assert not {p.id for p in calib} & {p.id for p in inspected}
+    # every prompt inspected (n_prompts 0): only the reporting prompts are kept out
+    calib = calibration_prompts(pool, 4, [p.id for p in pool[:4]], [p.id for p in pool])
+    assert len(calib) == 4 and not {p.id for p in calib} & {p.id for p in pool[:4]}
+    assert calibration_prompts(pool[:4], 2, [p.id for p in pool[:4]]) == []
 
 
 def test_sources_and_per_position_acceptance():

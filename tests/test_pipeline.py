@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.errors import WorkbenchError
+from workbench.inspect import calibration_prompts, load_prompts
 from workbench.pipeline import PIPELINE_PROFILES, stages
 from workbench.report.params import validate_parameters
 from workbench.report.stages import resolve_references
@@ -33,8 +34,8 @@ def test_experiment_stages_are_opt_in_and_match_their_notebooks():
 
 
 def test_serve_stage_serves_the_setting_the_inspect_stage_chose():
-    """Notebook 03 chooses the setting on its calibration prompts (the prompt set's last ones);
-    the serve stage launches that setting, not notebook 04's default."""
+    """Notebook 03 chooses the setting on its calibration prompts; the serve stage launches that
+    setting, not notebook 04's default, and reports on prompts the calibration did not see."""
     serve = stages("quick")[-1]
     done = {
         "inspect": {"figures": {"served_config": "1/1/2"}, "parameters": {}},
@@ -43,6 +44,12 @@ def test_serve_stage_serves_the_setting_the_inspect_stage_chose():
     params = resolve_references(serve.parameters, done)
     assert params["spec_config"] == "1/1/2" and params["draft"] == "/x/export-sglang"
     validate_parameters(serve.notebook, params)
+    inspect = stages("quick")[2]
+    pool = load_prompts("mtbench", 0)
+    calib = calibration_prompts(
+        pool, 4, [p.id for p in pool[:4]], [p.id for p in pool[: inspect.parameters["n_prompts"]]]
+    )
+    assert not {p.id for p in calib} & {p.id for p in pool[: params["n_prompts"]]}
 
 
 def test_train_stage_key_carries_the_preset_values():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,27 @@ def load_prompts(prompt_set: str, n: int | None) -> list[Any]:
     from workbench.data import load_prompt_set, select
 
     return select(load_prompt_set(prompt_set), n or None, first_turn_only=True)
+
+
+def spread(items: Sequence[Any], n: int) -> list[Any]:
+    """`n` items evenly spaced over `items` (the middle of n equal slices), in order."""
+    if n <= 0 or not items:
+        return []
+    n = min(n, len(items))
+    return [items[int((i + 0.5) * len(items) / n)] for i in range(n)]
+
+
+def calibration_prompts(
+    pool: Sequence[Any], n: int, report_ids: Iterable[str], inspected_ids: Iterable[str] = ()
+) -> list[Any]:
+    """The prompts on which the setting to serve is chosen: never a reporting prompt, not an
+    inspected one while enough others remain, and spread evenly over the rest of the set.
+    Sets like MT-bench are ordered by category (8 blocks of 10); a setting chosen on the set's
+    last prompts was chosen on one category (humanities essays, where a draft accepts least)."""
+    report, inspected = set(report_ids), set(inspected_ids)
+    allowed = [p for p in pool if p.id not in report]
+    fresh = [p for p in allowed if p.id not in inspected]
+    return spread(fresh if len(fresh) >= n else allowed, n)
 
 
 # ---------------------------------------------------------------- offline metrics
