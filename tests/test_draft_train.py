@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import socket
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -589,3 +589,34 @@ def test_collate_pads_to_a_multiple_of_64_within_max_len():
     assert collate(reader, [1], argmax, t2d, 1024, cpu)["input_ids"].shape == (1, 64)
     assert collate(reader, [2], argmax, t2d, 150, cpu)["input_ids"].shape == (1, 150)  # capped
     assert collate(reader, [2], argmax, t2d, 100, cpu)["token_mask"].sum() == 100  # truncated
+
+
+def test_epoch_batches_partition_the_epoch_and_larger_buckets_pad_less():
+    from workbench.draft.data import epoch_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(400, generator=g) * 900 + 20).long().tolist()
+    idx = list(range(0, 400, 2))  # the training split
+
+    def padding(batches):
+        return sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b)
+                   for b in batches)  # fmt: skip
+
+    small, large = (epoch_batches(idx, lengths, 4, 0, 0, bucket) for bucket in (2, 50))
+    for batches in (small, large):
+        assert sorted(i for b in batches for i in b) == idx and all(len(b) == 4 for b in batches)
+    assert padding(large) < padding(small) / 4
+    assert epoch_batches(idx, lengths, 4, 0, 0, 50) == large  # a resumed epoch: the same batches
+    assert epoch_batches(idx, lengths, 4, 1, 0, 50) != large  # the next epoch: others
+
+
+def test_resume_refuses_another_bucketing_and_reads_old_checkpoints_as_bucket_16():
+    from workbench.draft.checkpoint import RESUME_PAST, check_resume
+
+    now = asdict(TrainConfig())
+    old = {"capture_hash": "c", "target_fingerprint": "t",
+           "config": {k: v for k, v in now.items() if k != "bucket_batches"}}  # fmt: skip
+    defaults = {**now, **RESUME_PAST}
+    check_resume(old, {**now, "bucket_batches": 16}, "c", "t", defaults)
+    with pytest.raises(TrainError, match="bucket_batches: checkpoint 16, now 64"):
+        check_resume(old, {**now, "bucket_batches": 64}, "c", "t", defaults)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.draft.train import PRESETS
+from workbench.draft.presets import PRESETS
 from workbench.errors import WorkbenchError
 from workbench.report import Stage
 from workbench.target import EMBEDDED_NAME, workbench_home

@@ -187,12 +187,18 @@ def split_indices(
 
 
 def epoch_batches(
-    train_idx: list[int], lengths: list[int], batch_size: int, epoch: int, seed: int
+    train_idx: list[int],
+    lengths: list[int],
+    batch_size: int,
+    epoch: int,
+    seed: int,
+    bucket: int = 16,
 ) -> list[list[int]]:
-    """Batches for one epoch: shuffled, length-bucketed within chunks of 16 batches."""
+    """Batches for one epoch: shuffled, then sorted by length within chunks of `bucket`
+    batches (less padding the larger it is; batch order is shuffled again after)."""
     g = torch.Generator().manual_seed(seed * 100003 + epoch)
     order = [train_idx[j] for j in torch.randperm(len(train_idx), generator=g).tolist()]
-    chunk = batch_size * 16
+    chunk = batch_size * max(1, bucket)
     batches = []
     for a in range(0, len(order), chunk):
         part = sorted(order[a : a + chunk], key=lambda i: lengths[i])

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.draft.checkpoint import (
+    RESUME_PAST,
     append_jsonl,
     check_resume,
     claim_run_dir,
@@ -54,6 +55,7 @@ from workbench.draft.data import (
 from workbench.draft.errors import TrainError
 from workbench.draft.evaluate import evaluate_stats
 from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
+from workbench.draft.presets import PRESETS
 from workbench.draft.ttt import TTTModel, keep_freed_memory, summarize, unroll_masks
 from workbench.draft.vocab import (
     EMBEDDED_DRAFT_VOCAB,
@@ -87,6 +89,8 @@ class TrainConfig:
     grad_clip: float = 0.5
     batch_size: int = 8  # samples per optimizer step, global (split across ranks)
     max_len: int = 2048  # truncate longer samples
+    bucket_batches: int = 16  # batches' worth of shuffled samples sorted by length together
+    pad_multiple: int = 64  # batch length rounded up to this (CPU kernels are built per shape)
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
     val_fraction: float = 0.05
@@ -115,59 +119,6 @@ class TrainConfig:
         return asdict(self)
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    # 12 passes over the ~100K-token quick capture (~11 min of training on 2 idle cores)
-    "quick": dict(
-        # measured on a 95K-token capture (400 regenerated prompts; 20 held out), 5 min each:
-        # lr 5e-4/b8/TTT-5: acc0 0.24 after 8 min; lr 1e-3/b4/TTT-3: 0.32; lr 2e-3: 0.34;
-        # starting the decoder layer from target layer 29 did not help (0.31);
-        # TTT-3, 7 epochs, 4096 draft vocab: 0.41 acc0, simulated tau 1.61 (3 steps) in 6.9 min;
-        # TTT-5 with 1/4 of positions unrolled, loss on all tokens, 7 epochs: 0.39 / 1.59
-        # (5 steps) in 5.7 min; the same with lr 4e-3 and 5 epochs: 0.36 / 1.52 in 3.8 min
-        ttt_len=5,
-        ttt_sample=0.25,
-        loss_on="all",
-        lr=2e-3,
-        batch_size=4,
-        max_len=1024,
-        # 12 epochs (1,140 steps) once shape-stable batches made a step ~1.5x faster: 0.403 /
-        # 1.65 held out vs 0.370 / 1.59 at 7 epochs, 11 min of training in the pipeline vs 8.6
-        epochs=12,
-        warmup=0.03,
-        eval_every=100,
-        ckpt_every=100,
-        draft_vocab_size=4096,  # ~5K distinct assistant tokens in the quick capture
-        init_layer=None,
-        # a random lm_head beat one initialised from the target's rows at 665 steps, 2 seeds,
-        # scored on 80 held-out prompts (benchmarks/bench_levers.py): acc0 0.373 vs 0.368,
-        # sim tau 1.59 vs 1.57, HumanEval tau 1.47 vs 1.42, MT-bench tau 1.34 vs 1.34
-        init_lm_head=False,
-        # bf16 autocast (fp32 master weights) where bf16 is native: ~1.7x tokens/s on an
-        # avx512_bf16 CPU; fp32 elsewhere (bf16 there is 3.6x slower: workbench.target.native_bf16)
-        amp="auto",
-    ),
-    # the training part of the pipeline's `full` run: TTT-5 for the 5-step chain of the goal.
-    # Measured on the full capture (647K tokens), 10 min each: TTT-5 lr 2e-3 all positions
-    # 0.269 acc0 / sim tau 1.34; unrolling 1/4 of the positions past step 0 (2.4x tokens/s)
-    # 0.354 / 1.51; + loss on user turns too 0.357 / 1.52; + lr 4e-3 0.362 / 1.54
-    "full": dict(
-        ttt_len=5,
-        ttt_sample=0.25,
-        loss_on="all",
-        lr=4e-3,
-        batch_size=8,
-        max_len=1536,
-        epochs=4,
-        warmup=0.03,
-        eval_every=200,
-        ckpt_every=200,
-        draft_vocab_size=8192,
-        init_layer=None,
-        amp="auto",
-    ),
-}
-
-
 def preset(name: str, **overrides: Any) -> TrainConfig:
     """A preset TrainConfig (`quick`, `full`: fixed epochs, no time cap) plus overrides."""
     if name not in PRESETS:
@@ -178,7 +129,8 @@ def preset(name: str, **overrides: Any) -> TrainConfig:
 def check_config(cfg: TrainConfig) -> None:
     """Refuse bad arguments before anything is loaded or written (one line each)."""
     at_least_one = ("ttt_len", "draft_vocab_size", "batch_size", "max_len", "eval_every",
-                    "ckpt_every", "keep_ckpts", "log_every")  # fmt: skip
+                    "ckpt_every", "keep_ckpts", "log_every", "bucket_batches",
+                    "pad_multiple")  # fmt: skip
     for k in at_least_one:
         v = getattr(cfg, k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -333,7 +285,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     state = None
     if cfg.resume and (ck := latest_checkpoint(out)) is not None:
         state = read_state(ck)
-        check_resume(state, cfg.to_dict(), chash, target.fingerprint, asdict(TrainConfig()))
+        check_resume(state, cfg.to_dict(), chash, target.fingerprint,
+                     {**asdict(TrainConfig()), **RESUME_PAST})  # fmt: skip
     if d.main:
         clean_tmp(out)  # half-written step folders of a killed run
 
@@ -360,7 +313,9 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         raise TrainError(
             f"batch_size {cfg.batch_size} < world size {d.world}: every rank needs samples"
         )
-    per_epoch = len(epoch_batches(train_idx, lengths, cfg.batch_size, 0, cfg.seed))
+    per_epoch = len(
+        epoch_batches(train_idx, lengths, cfg.batch_size, 0, cfg.seed, cfg.bucket_batches)
+    )
     if per_epoch == 0:
         raise TrainError("no training samples (capture too small for the held-out split?)")
     total = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * per_epoch)))
@@ -447,10 +402,13 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     while step < total:
         ep, bi = divmod(step, per_epoch)
         if ep != batches_epoch:
-            batches = epoch_batches(train_idx, lengths, cfg.batch_size, ep, cfg.seed)
+            batches = epoch_batches(
+                train_idx, lengths, cfg.batch_size, ep, cfg.seed, cfg.bucket_batches
+            )
             batches_epoch = ep
         gb = batches[bi]
-        batch = collate(reader, gb[d.rank :: d.world], argmax, t2d, cfg.max_len, device)
+        batch = collate(reader, gb[d.rank :: d.world], argmax, t2d, cfg.max_len, device,
+                        cfg.pad_multiple)  # fmt: skip
         masks, idx = unroll_masks(batch, cfg.ttt_len, cfg.ttt_sample, cfg.loss_on == "all")
         ntok = torch.tensor([_ntok(gb, lengths, cfg.max_len, d)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
