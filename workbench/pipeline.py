@@ -47,7 +47,7 @@ PIPELINE_PROFILES = {
         inspect_new_tokens=96,
     ),
     # all 1033 prompts answered once (greedy) plus 1000 the target writes itself (the largest
-    # data lever at the quick scale: +0.034 acc0 at equal steps), then 4 epochs
+    # data lever at the quick scale: +0.034 acc0 at equal steps), then 6 epochs
     "full": PipelineProfile(
         "full",
         n_samples=0,
