@@ -38,7 +38,7 @@ RESUME_KEYS = ("ttt_len", "batch_size", "seed", "max_len", "val_fraction", "val_
                "lr", "epochs", "max_steps", "warmup", "min_lr_ratio", "loss_decay",
                "ttt_sample", "loss_on", "bucket_batches")  # fmt: skip
 # what a checkpoint that predates a key ran with (not today's default: that may have changed)
-RESUME_PAST = {"bucket_batches": 16, "pad_multiple": 64}
+RESUME_PAST = {"bucket_batches": 16}
 
 
 # ---------------------------------------------------------------- RNG
