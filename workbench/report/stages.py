@@ -1,6 +1,10 @@
 """Pipelines: several notebooks in one run directory, outputs passed on as `${stage.name}`
 references, and a stage skipped (saying so) when its notebook, parameters and input artifacts
-match its last successful run (the cache in `reports/.stages.json`)."""
+match its last successful run (the cache in `reports/.stages.json`).
+
+The workbench's own code is not in the skip key: an edit anywhere in the package would redo an
+hour of capture and training. It is recorded instead (`provenance.code_hash`), and a skip whose
+result came from other code says so, in the log and in the manifest (`code_changed`)."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.fsutil import atomic_write_json
+from workbench.provenance import code_hash
 from workbench.report.errors import ReportError, read_json_file
 from workbench.report.figures import jsonable
 from workbench.report.html import write_index
@@ -96,7 +101,7 @@ def stage_key(stage: Stage, parameters: dict[str, Any]) -> str:
 
 
 def _skip(stage: Stage, params: dict[str, Any], key: str, hit: dict[str, Any],
-          reports_dir: Path, run_dir: Path) -> RunResult:  # fmt: skip
+          reports_dir: Path, run_dir: Path, code_changed: bool) -> RunResult:  # fmt: skip
     """Link the stage's last successful run into this run's manifest instead of rerunning."""
     stem = stage.name
     assert stem is not None
@@ -106,6 +111,7 @@ def _skip(stage: Stage, params: dict[str, Any], key: str, hit: dict[str, Any],
         "status": "skipped", "reused_from": hit["run_id"], "parameters": jsonable(params),
         "figures": hit.get("figures", {}), "duration_s": 0.0, "stage_key": key,
         "ipynb": str(prev / f"{stem}.ipynb"), "html": str(prev / f"{stem}.html"),
+        "code_changed": code_changed,
     }  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     update_manifest(run_dir, entry)
@@ -131,6 +137,7 @@ def run_stages(
     cache_path = reports_dir / STAGE_CACHE
     done: dict[str, dict[str, Any]] = {}
     results: list[RunResult] = []
+    code = code_hash()
     names = [s.name for s in stages]
     if len(set(names)) != len(names):
         raise ReportError(f"stage names must be unique: {names}")
@@ -150,7 +157,14 @@ def run_stages(
             log(
                 f"{prefix}: skipped, inputs unchanged since run {hit['run_id']} (use force to rerun)"
             )
-            res = _skip(stage, params, key, hit, reports_dir, run_dir)
+            code_changed = hit.get("code") != code
+            if code_changed:
+                made_by = hit.get("code", "an unrecorded version")[:12]
+                log(
+                    f"{prefix}: note: that result was made by other workbench code ({made_by}, "
+                    f"now {code[:12]}); force reruns the stage with this code"
+                )
+            res = _skip(stage, params, key, hit, reports_dir, run_dir, code_changed)
         else:
             log(f"{prefix}: {'forced' if hit and force else 'running'} {stage.notebook}")
             try:
@@ -165,7 +179,7 @@ def run_stages(
             cache = read_json_file(cache_path, "stage cache", {})
             cache.setdefault(stage.name, {})[key] = {
                 "run_id": run_id, "finished": now(), "figures": res.figures,
-                "duration_s": res.duration_s,
+                "duration_s": res.duration_s, "code": code,
             }  # fmt: skip
             atomic_write_json(cache_path, cache, sort_keys=False)
             log(f"{prefix}: ok in {res.duration_s:.1f}s -> {res.html}")
