@@ -159,7 +159,7 @@ def run_stages(
             )
             code_changed = hit.get("code") != code
             if code_changed:
-                made_by = hit.get("code", "an unrecorded version")[:12]
+                made_by = hit["code"][:12] if "code" in hit else "not recorded"
                 log(
                     f"{prefix}: note: that result was made by other workbench code ({made_by}, "
                     f"now {code[:12]}); force reruns the stage with this code"
