@@ -32,11 +32,14 @@ does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its r
 
 Since fp32 inputs of 1-2 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
 there), the fp32 ratios divide by that faster one-token decode; "float32 oneDNN only" is the
-all-packed path, and the RESULT line carries both, with each one-token decode time.
+all-packed path (where a verify is bit-identical to decode steps, `llama.linear`), and the
+RESULT line carries both, with each one-token decode time.
 
 Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...
-decode_ms=... [onednn_k2=... onednn_k4=... onednn_k8=... onednn_decode_ms=...]`.
-Run: `python benchmarks/bench_verify.py [--repeats 15] [--threads N] [--clock wall|cpu]
+decode_ms=... [onednn_k2=... onednn_k4=... onednn_k8=... onednn_decode_ms=...] [against_k2=...
+against_k4=... against_k8=... against_decode_ms=...]` (against_: fp32 at REV, ratios to its own
+decode step).
+Run: `python benchmarks/bench_verify.py [--repeats 10] [--threads N] [--clock wall|cpu]
 [--compare] [--against REV] [--breakdown] [--target smollm2-135m]`.
 """
 
@@ -105,20 +108,25 @@ def make_calls(variants: dict[str, Llama], prefill: int = 128, seed: int = 0):
     return call
 
 
-def time_verify(variants: dict[str, Llama], repeats: int) -> dict[str, dict[int, float]]:
+def time_verify(variants: dict[str, Llama], repeats: int, burst: int = 3):
     """Median seconds per call for each variant (a named Llama) and k.
 
     Every repeat runs every variant and k in a rotating order, so load from other processes
-    hits them alike.
+    hits them alike. Each turn is `burst` back-to-back calls, the first not timed: a decode
+    loop runs one model step after step, so its weights stay as warm in the caches as they
+    get (a 480 MB L3 holds most of SmolLM2's 540 MB of fp32 weights), while a call right
+    after another variant's finds them cold. Single calls in rotation (this script before
+    2026-12) made a 2-token verify look cheaper than a decode step (88 vs 152 ms).
     """
     call = make_calls(variants)
     jobs = [(n, k) for n in variants for k in KS]
     times: dict[tuple[str, int], list[float]] = {j: [] for j in jobs}
-    for r in range(repeats + 2):  # two warm-up rounds
+    for r in range(repeats + 1):  # one warm-up round
         for j in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
-            dt = call(*j)
-            if r >= 2:
-                times[j].append(dt)
+            for b in range(burst):
+                dt = call(*j)
+                if r >= 1 and b >= 1:
+                    times[j].append(dt)
     return {n: {k: statistics.median(times[n, k]) for k in KS} for n in variants}
 
 
@@ -186,7 +194,7 @@ def print_breakdown(variants: dict[str, Llama], repeats: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument(
@@ -249,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     if only := ratios.get("float32 oneDNN only"):  # the ratios before MKL took 1-2 rows
         parts += [f"onednn_k{k}={only[k]:.3f}" for k in KS[1:]]
         parts.append(f"onednn_decode_ms={med['float32 oneDNN only'][1] * 1e3:.1f}")
+    if before := ratios.get(f"float32 @{args.against}"):
+        parts += [f"against_k{k}={before[k]:.3f}" for k in KS[1:]]
+        parts.append(f"against_decode_ms={med[f'float32 @{args.against}'][1] * 1e3:.1f}")
     print("RESULT " + " ".join(p for p in parts if p))
     return 0
 

@@ -415,14 +415,15 @@ def test_sampling_matches_target_distribution(s, k, n):
 
 
 @pytest.mark.slow
-def test_embedded_default_greedy_exact(embedded_dir):
+@pytest.mark.parametrize("mkl_rows", [None, 0])  # the default path, and all-oneDNN (bitwise)
+def test_embedded_default_greedy_exact(embedded_dir, mkl_rows):
     from workbench.data import load_mtbench, prompt_ids
     from workbench.draft.model import DraftConfig
     from workbench.layers import default_layer_ids
     from workbench.target import load_target
 
     t = load_target(embedded_dir)
-    llm = Llama(t.model, torch.float32)
+    llm = Llama(t.model, torch.float32, mkl_rows=mkl_rows)
     p = prompt_ids(t.tokenizer, load_mtbench()[0].messages(1))
     ref = generate_batch(llm, [p], 40, None, dtype=torch.float32, progress=False)[0]
     cfg = DraftConfig.from_target(t.config, default_layer_ids(t.num_layers), 8192)

@@ -85,6 +85,60 @@ def test_rms_norm_equals_hf_formula(dtype):
     torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_or_among_others(dtype):
+    """`linear` on a packed weight: each row of an 8-row call equals that row alone, bit for
+    bit (a lone fp32 row runs as two; oneDNN's one-row kernel splits a 1536-long reduction its
+    own way), in 2-D and 3-D inputs; unpacked weights keep plain F.linear."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    for n_in in (64, 1536):
+        w = (torch.randn(576, n_in, generator=g) * 0.05).to(dtype)
+        p = pack_weight(w)
+        x = torch.randn(8, n_in, generator=g).to(dtype)
+        many = linear(x, p)
+        for i in range(8):
+            assert torch.equal(linear(x[i : i + 1], p), many[i : i + 1]), (n_in, i)
+            assert torch.equal(linear(x[None, i : i + 1], p), many[None, i : i + 1]), (n_in, i)
+        torch.testing.assert_close(
+            many, F.linear(x, w), atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0
+        )
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_gives_exactly_what_decode_steps_give_on_the_embedded_target(embedded_dir, dtype):
+    """On SmolLM2 (30 layers, 1536-wide MLP), a k-token verify, chain or tree, computes the
+    same logits, aux hidden states and cache entries as one-token decode steps, bit for bit:
+    greedy speculative decoding then reproduces plain decoding exactly, in bf16 too. (With
+    fp32 inputs of 1-2 rows on MKL, the Intel default, they agree to fp32 rounding only.)"""
+    from workbench.target import load_target
+
+    t = load_target(embedded_dir)
+    llm = Llama(t.model, dtype, mkl_rows=0)
+    assert llm.onednn
+    prompt = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(1))
+    toks = torch.randint(0, 49152, (1, 6), generator=torch.Generator().manual_seed(2))
+    c = llm.new_cache(1, 64)
+    llm(prompt, c, logits="none")
+    steps = [llm(toks[:, j : j + 1], c, hidden_layers=[1, 15, 27]) for j in range(6)]
+    decoded_k = c.k[:, :, :, 40:46].clone()
+    c.lengths[:] = 40
+    v = llm(toks, c, hidden_layers=[1, 15, 27], advance=False)
+    for j, st in enumerate(steps):
+        assert torch.equal(v.logits[0, j], st.logits[0, 0]), j
+        assert all(torch.equal(v.hidden[i][0, j], st.hidden[i][0, 0]) for i in (1, 15, 27)), j
+    assert torch.equal(c.k[:, :, :, 40:46], decoded_k)
+    # a tree: token 2 is a child of token 0 and sits after its sibling 1 (masked for it)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    pos = torch.tensor([[40, 41, 41]])
+    tv = llm(toks[:, [0, 3, 1]], c, tree_mask=tree, positions=pos, advance=False)
+    assert torch.equal(tv.logits[0, 0], steps[0].logits[0, 0])
+    assert torch.equal(tv.logits[0, 2], steps[1].logits[0, 0])
+
+
 def test_small_inputs_take_plain_f_linear_and_larger_ones_the_packed_weight(model, monkeypatch):
     """`mkl_rows` decides which kernel a row count gets: bit-identical to that kernel alone."""
     import torch.nn.functional as F

@@ -21,7 +21,8 @@ Per step, besides the matmuls, a layer applies RoPE to q and k in one pass, writ
 with one slice copy per tensor when all rows are at the same length (batch 1 always), and
 SDPA gets an additive mask built once per forward: results are bit-identical to the
 per-tensor/index-write forms, with fewer small ops (a third of a decode step is such ops).
-RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
+On the all-oneDNN path a k-token verify gives bit for bit what k one-token decode steps give
+(`linear`). RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
 match HF exactly; length-dependent types (dynamic, longrope) are refused.
 """
 
@@ -168,14 +169,26 @@ def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     run in oneDNN, but re-lay the weight out on every call: packed once they take half the
     time at 1-8 rows, with identical results. On Intel CPUs MKL streams 1-2 rows faster than
     oneDNN (`default_mkl_rows`), so a `Packed` weight sends inputs that small to F.linear.
+
+    A lone fp32 row on oneDNN runs as two: oneDNN's one-row kernel splits long reductions
+    (SmolLM2's 1536-wide down projection) its own way, while the rows of its 2+-row kernel
+    are bit-identical at any row count. So on the all-oneDNN path (`mkl_rows` 0: bf16, AMD
+    CPUs, `WORKBENCH_MKL_ROWS=0`) a k-token verify computes exactly the logits, hidden states
+    and cache entries of k one-token decode steps (tests/test_llama.py), and greedy
+    speculative decoding reproduces plain decoding bit for bit, not only to fp32 rounding.
+    The second row costs ~3% of a decode step; bf16 needs no padding (measured identical).
     """
     if isinstance(w, Packed):
         if x.numel() <= w.mkl_rows * x.shape[-1]:
             return F.linear(x, w.plain, b)
         w = w.packed
-    if w.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-    return F.linear(x, w, b)
+    if not w.is_mkldnn:
+        return F.linear(x, w, b)
+    if x.numel() == x.shape[-1] and x.dtype == torch.float32:  # one fp32 row: run it as two
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1).contiguous(),
+                                               w, b, "none", [], "")  # fmt: skip
+        return y[:1].view(*x.shape[:-1], y.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
