@@ -347,3 +347,27 @@ def test_cross_chunk_refill_gives_the_per_chunk_answers(tiny_target, tmp_path):
         for p, o in zip(ps, outs, strict=True):
             want = tok.decode([t for t in o if t not in eos], skip_special_tokens=True).strip()
             assert p.answers[turn] == want, (p.id, turn)
+
+
+def test_spread_pick_covers_every_category_of_the_built_in_set():
+    """The built-in set comes in category blocks: its first 400 prompts miss 9 of the 15
+    categories; 400 spread over it cover all 15, none twice; a bad pick is named."""
+    from workbench.data import select
+
+    ps = load_train_prompts()
+    cats = {p.category for p in ps}
+    first, spread_ = select(ps, 400), select(ps, 400, pick="spread")
+    assert len({p.category for p in first}) == 6 and len(cats) == 15
+    assert {p.category for p in spread_} == cats and len({p.id for p in spread_}) == 400
+    assert [p.id for p in select(ps, 0, pick="spread")] == [p.id for p in ps]
+    with pytest.raises(DataError, match="pick='random': expected one of first, spread"):
+        select(ps, 4, pick="random")
+
+
+def test_the_quick_pipeline_spreads_its_prompts_and_the_full_one_keeps_its_stage_key():
+    """quick passes pick=spread to notebook 01; full (all prompts) passes no pick, so its
+    cached results from before the parameter existed stay reusable."""
+    from workbench.pipeline import stages
+
+    assert stages("quick")[0].parameters["pick"] == "spread"
+    assert "pick" not in stages("full")[0].parameters

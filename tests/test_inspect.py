@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from workbench.audit import config_audit, parse_serving, wiring_audit, wirings
+from workbench.data import spread
 from workbench.engine import CycleRecord, SpecParams
 from workbench.findings import ERROR, has_errors
 from workbench.inspect import (
@@ -29,7 +30,6 @@ from workbench.inspect import (
     evaluate_draft,
     load_prompts,
     missed_tokens,
-    spread,
     time_breakdown,
     token_html,
 )

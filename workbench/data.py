@@ -21,6 +21,7 @@ import importlib.metadata
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -284,9 +285,27 @@ def check_n(n: int | None) -> None:
         raise DataError(f"--n {n}: expected the number of prompts to use (0 = all)")
 
 
-def select(prompts: list[Prompt], n: int | None, first_turn_only: bool = False) -> list[Prompt]:
+PICKS = ("first", "spread")
+
+
+def spread(items: Sequence[Any], n: int) -> list[Any]:
+    """`n` items evenly spaced over `items` (the middle of n equal slices), in order."""
+    if n <= 0 or not items:
+        return []
+    n = min(n, len(items))
+    return [items[int((i + 0.5) * len(items) / n)] for i in range(n)]
+
+
+def select(
+    prompts: list[Prompt], n: int | None, first_turn_only: bool = False, pick: str = "first"
+) -> list[Prompt]:
+    """`n` prompts (0 or None: all): the first n, or with pick="spread" n spread evenly over
+    the set. Why spread: the built-in set comes in category blocks, so its first 400 prompts
+    cover 6 of its 15 categories (no roleplay, reasoning or extraction, which MT-bench asks)."""
     check_n(n)
-    out = prompts[:n] if n else list(prompts)
+    if pick not in PICKS:
+        raise DataError(f"pick={pick!r}: expected one of {', '.join(PICKS)}")
+    out = (prompts[:n] if pick == "first" else spread(prompts, n)) if n else list(prompts)
     if first_turn_only:
         out = [Prompt(p.id, p.category, p.turns[:1], p.answers[:1], p.system) for p in out]
     return out
@@ -565,12 +584,16 @@ def prepare_conversations(
     regen_dir: str | os.PathLike,
     regen: RegenConfig | None = None,
     progress: bool = True,
+    pick: str = "first",
 ) -> tuple[list[Prompt], dict]:
     """Prompts with answers ready for capture: given answers are kept (teacher forcing);
     prompts without them are answered by the target (resumable, into `regen_dir`), with
-    `regen.samples - 1` extra sampled answers each (ids `<id>@sample<k>`, after the others)."""
-    prompts = select(load_prompt_set(spec), n)
+    `regen.samples - 1` extra sampled answers each (ids `<id>@sample<k>`, after the others).
+    `pick`: which n prompts (`select`)."""
+    prompts = select(load_prompt_set(spec), n, pick=pick)
     info = {"name": str(spec), "hash": prompt_set_hash(prompts), "num_prompts": len(prompts)}
+    if n and pick != "first":
+        info["pick"] = pick
     if all(p.complete for p in prompts):
         info["regenerated"] = False
         return prompts, info

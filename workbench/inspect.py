@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench import metrics
+from workbench.data import spread
 from workbench.engine import CycleRecord, SpecDecoder, SpecParams, TraceWriter
 from workbench.layers import CANONICAL, LayerIds
 
@@ -53,14 +54,6 @@ def load_prompts(prompt_set: str, n: int | None) -> list[Any]:
     from workbench.data import load_prompt_set, select
 
     return select(load_prompt_set(prompt_set), n or None, first_turn_only=True)
-
-
-def spread(items: Sequence[Any], n: int) -> list[Any]:
-    """`n` items evenly spaced over `items` (the middle of n equal slices), in order."""
-    if n <= 0 or not items:
-        return []
-    n = min(n, len(items))
-    return [items[int((i + 0.5) * len(items) / n)] for i in range(n)]
 
 
 def calibration_prompts(

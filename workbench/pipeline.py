@@ -33,12 +33,15 @@ class PipelineProfile:
     capture_dtype: str = "float32"  # the target's compute dtype in the capture forward
     prefill_fraction: float = 0.0  # share of prefill-only corpus conversations (workbench.corpus)
     self_prompts: int = 0  # prompts the target writes itself, answered too (workbench.selfprompts)
+    pick: str = "first"  # which n_samples prompts (workbench.data.select)
 
 
 PIPELINE_PROFILES = {
     "quick": PipelineProfile(
         "quick",
         n_samples=400,
+        # 400 spread over the set: the first 400 cover 6 of its 15 categories
+        pick="spread",
         max_new_tokens=192,
         max_length=1024,
         regen_samples=1,
@@ -100,6 +103,8 @@ def stages(
                 "prefill_fraction": p.prefill_fraction,
                 "self_prompts": p.self_prompts,
                 "out_dir": str(home / "capture"),
+                # only where it is not the default, so results made before it stay reusable
+                **({"pick": p.pick} if p.pick != "first" else {}),
             },
         ),
         Stage(
