@@ -267,6 +267,7 @@ def test_bad_regeneration_arguments_are_refused_before_anything_is_written(
         (["--dtype", "foo"], "unknown generation dtype 'foo'"),
         (["--max-new-tokens", "0"], "max_new_tokens=0"),
         (["--n", "-1"], "--n -1"),
+        (["--pick", "random"], "pick='random': expected one of first, spread"),
     ):
         res = CliRunner().invoke(app, base + extra)
         assert res.exit_code == 2 and res.stderr.startswith("error: "), res.output

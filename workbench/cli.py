@@ -46,7 +46,8 @@ def regenerate(
     prompts: str = typer.Option("train", help="'train', 'mtbench', 'humaneval', or a .jsonl file"),
     out: str = typer.Option(..., help="output directory (resumable)"),
     target: str = typer.Option("smollm2-135m", help="HF dir, .gguf file or 'smollm2-135m'"),
-    n: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
+    n: int = typer.Option(0, help="use only N prompts (0 = all)"),
+    pick: str = typer.Option("first", help="which N: first, or spread (evenly over the set)"),
     max_new_tokens: int = typer.Option(512),
     temperature: float = typer.Option(0.0, help="0 = greedy"),
     samples: int = typer.Option(1, help="answers per prompt; extra ones are sampled"),
@@ -56,7 +57,7 @@ def regenerate(
     seed: int = typer.Option(0),
 ) -> None:
     """Have the target answer a prompt set with its chat template (the data EAGLE-3 trains on)."""
-    from workbench.data import RegenConfig, check_n, load_prompt_set, select
+    from workbench.data import RegenConfig, check_n, check_pick, load_prompt_set, select
     from workbench.data import regenerate as regen
     from workbench.target import load_target
 
@@ -65,8 +66,9 @@ def regenerate(
                       dtype=dtype, seed=seed, samples=samples,
                       sample_temperature=sample_temperature)  # fmt: skip
     check_n(n)
+    check_pick(pick)
     t = load_target(target)
-    ps = select(load_prompt_set(prompts), n or None)
+    ps = select(load_prompt_set(prompts), n or None, pick=pick)
     info = regen(t, ps, out, cfg)
     typer.echo(
         f"regenerated {len(ps)} prompts into {out}: {info['new_tokens_this_run']} new tokens, "
@@ -104,7 +106,8 @@ def capture(
         "train", help="prompt set: 'train', 'mtbench', 'humaneval', a .jsonl, or a regeneration dir"
     ),
     out: str = typer.Option(..., help="capture directory (resumable; refuses other arguments)"),
-    n: int = typer.Option(0, help="use only the first N prompts (0 = all)"),
+    n: int = typer.Option(0, help="use only N prompts (0 = all)"),
+    pick: str = typer.Option("first", help="which N: first, or spread (evenly over the set)"),
     max_length: int = typer.Option(2048, help="truncate conversations to this many tokens"),
     layers: str = typer.Option(
         "default", help="aux layer ids, e.g. '1,14,26', or 'default' ([1, N//2-1, N-4])"
@@ -136,7 +139,7 @@ def capture(
 
     from workbench.capture import CaptureConfig
     from workbench.capture import capture as run_capture
-    from workbench.data import RegenConfig, base_id, check_n, prepare_conversations
+    from workbench.data import RegenConfig, base_id, check_n, check_pick, prepare_conversations
     from workbench.layers import parse_layer_spec
     from workbench.selfprompts import check_count, with_self_prompts
     from workbench.target import load_target
@@ -146,6 +149,7 @@ def capture(
         max_new_tokens=max_new_tokens, samples=samples, sample_temperature=sample_temperature
     )
     check_n(n)
+    check_pick(pick)
     check_count(self_prompts)
     dm = "auto" if device == "auto" else None
     t = load_target(target, dtype=target_dtype, device="cpu" if dm else device, device_map=dm)
@@ -153,7 +157,8 @@ def capture(
     cfg = CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens)
     if backend not in ("hf", "sglang"):
         raise typer.BadParameter(f"--backend must be hf or sglang, got {backend!r}")
-    ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen)
+    ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen,
+                                     pick=pick)  # fmt: skip
     ps, info["self"] = with_self_prompts(t, ps, self_prompts, Path(out) / "self", regen)
     with contextlib.ExitStack() as stack:
         rec = {}

@@ -288,6 +288,11 @@ def check_n(n: int | None) -> None:
 PICKS = ("first", "spread")
 
 
+def check_pick(pick: str) -> None:
+    if pick not in PICKS:
+        raise DataError(f"pick={pick!r}: expected one of {', '.join(PICKS)}")
+
+
 def spread(items: Sequence[Any], n: int) -> list[Any]:
     """`n` items evenly spaced over `items` (the middle of n equal slices), in order."""
     if n <= 0 or not items:
@@ -303,8 +308,7 @@ def select(
     the set. Why spread: the built-in set comes in category blocks, so its first 400 prompts
     cover 6 of its 15 categories (no roleplay, reasoning or extraction, which MT-bench asks)."""
     check_n(n)
-    if pick not in PICKS:
-        raise DataError(f"pick={pick!r}: expected one of {', '.join(PICKS)}")
+    check_pick(pick)
     out = (prompts[:n] if pick == "first" else spread(prompts, n)) if n else list(prompts)
     if first_turn_only:
         out = [Prompt(p.id, p.category, p.turns[:1], p.answers[:1], p.system) for p in out]
