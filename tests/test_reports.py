@@ -392,3 +392,42 @@ def test_code_hash_follows_the_package_files_not_the_bytecode(tmp_path):
     (tmp_path / "sub" / "b.py").write_text("y = 3\n")
     assert code_hash(tmp_path) != first
     assert len(code_hash()) == 64  # the installed package itself
+
+
+def test_a_rerun_from_other_inputs_moves_the_old_outputs_aside_and_a_killed_one_resumes(
+    tmp_path, monkeypatch
+):
+    """A stage whose inputs changed reruns into the same paths, where a capture or training
+    folder would refuse other arguments: the last finished run's outputs are renamed
+    `.before-<run id>` (nothing deleted); a forced rerun of the same inputs keeps them; and
+    the outputs of a killed run of the new inputs stay in place for it to resume."""
+    import workbench.report.stages as S
+
+    rd, out = tmp_path / "reports", tmp_path / "art" / "a"
+    logs: list[str] = []
+
+    def stage(value: int) -> R.Stage:
+        return R.Stage(STAGE, {"value": value, "out_dir": str(out)}, name="s", outputs=("out_dir",))
+
+    R.run_stages([stage(1)], rd, log=logs.append)
+    R.run_stages([stage(1)], rd, force=True, log=logs.append)  # same inputs: nothing moved
+    assert not list(out.parent.glob("a.before-*"))
+    second = R.run_stages([stage(2)], rd, log=logs.append)
+    aside = out.parent / f"a.before-{second[0].run_id}"
+    assert json.loads((aside / "manifest.json").read_text()) == {"result": 1}
+    assert json.loads((out / "manifest.json").read_text()) == {"result": 2}
+    assert any("made from other inputs: moved aside" in s for s in logs), logs
+
+    real = S.run_notebook
+
+    def killed(*a, **kw):
+        out.mkdir(parents=True)
+        (out / "partial").write_text("half a capture")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "run_notebook", killed)
+    with pytest.raises(KeyboardInterrupt):
+        R.run_stages([stage(3)], rd, log=logs.append)  # moves result 2 aside, then dies
+    monkeypatch.setattr(S, "run_notebook", real)
+    R.run_stages([stage(3)], rd, log=logs.append)  # the rerun resumes in place
+    assert (out / "partial").is_file() and len(list(out.parent.glob("a.before-*"))) == 2

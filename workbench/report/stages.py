@@ -120,6 +120,30 @@ def _skip(stage: Stage, params: dict[str, Any], key: str, hit: dict[str, Any],
                      run_dir / MANIFEST, "skipped", 0.0, params, entry["figures"])  # fmt: skip
 
 
+STARTED = "_started"  # cache entry: stage name -> key of the run last started (maybe killed)
+
+
+def _set_aside(stage: Stage, params: dict[str, Any], key: str, cache: dict[str, Any],
+               run_id: str, log: Callable[[str], None], prefix: str) -> None:  # fmt: skip
+    """Move aside outputs that the stage's last finished run made from other inputs.
+
+    Why: a stage reruns into the same paths when its inputs change (a profile's new prompt
+    pick, say), and a capture or training folder refuses to resume from other arguments, so
+    the run would stop there. The old result is renamed `<name>.before-<run id>`, never
+    deleted. Outputs of a started run of these same inputs (killed midway) stay, to resume.
+    """
+    if cache.get(STARTED, {}).get(stage.name) == key:
+        return
+    finished = [e for e in cache.get(stage.name, {}).items() if "finished" in e[1]]
+    if not finished or max(finished, key=lambda e: e[1]["finished"])[0] == key:
+        return
+    for o in stage.outputs:
+        if looks_like_path(params.get(o)) and (path := Path(params[o])).exists():
+            aside = path.with_name(f"{path.name}.before-{run_id}")
+            path.rename(aside)
+            log(f"{prefix}: {path} was made from other inputs: moved aside to {aside}")
+
+
 def run_stages(
     stages: list[Stage],
     reports_dir: str | Path = "reports",
@@ -167,6 +191,10 @@ def run_stages(
             res = _skip(stage, params, key, hit, reports_dir, run_dir, code_changed)
         else:
             log(f"{prefix}: {'forced' if hit and force else 'running'} {stage.notebook}")
+            cache = read_json_file(cache_path, "stage cache", {})
+            _set_aside(stage, params, key, cache, run_id, log, prefix)
+            cache.setdefault(STARTED, {})[stage.name] = key
+            atomic_write_json(cache_path, cache, sort_keys=False)
             try:
                 res = run_notebook(
                     stage.notebook, params, reports_dir, run_id, kernel_name,
