@@ -399,8 +399,9 @@ def test_a_rerun_from_other_inputs_moves_the_old_outputs_aside_and_a_killed_one_
 ):
     """A stage whose inputs changed reruns into the same paths, where a capture or training
     folder would refuse other arguments: the last finished run's outputs are renamed
-    `.before-<run id>` (nothing deleted); a forced rerun of the same inputs keeps them; and
-    the outputs of a killed run of the new inputs stay in place for it to resume."""
+    `.before-<run id>` (nothing deleted); a forced rerun of the same inputs keeps them; the
+    outputs of a killed run of the new inputs stay in place for it to resume; and a cached
+    run is not reused once another run has written its output folder."""
     import workbench.report.stages as S
 
     rd, out = tmp_path / "reports", tmp_path / "art" / "a"
@@ -431,3 +432,8 @@ def test_a_rerun_from_other_inputs_moves_the_old_outputs_aside_and_a_killed_one_
     monkeypatch.setattr(S, "run_notebook", real)
     R.run_stages([stage(3)], rd, log=logs.append)  # the rerun resumes in place
     assert (out / "partial").is_file() and len(list(out.parent.glob("a.before-*"))) == 2
+    # back to value 1: its cached run is not what the folder holds now, so it reruns
+    back = R.run_stages([stage(1)], rd, log=logs.append)
+    assert back[0].status == "ok" and len(list(out.parent.glob("a.before-*"))) == 3
+    assert json.loads((out / "manifest.json").read_text()) == {"result": 1}
+    assert R.run_stages([stage(1)], rd, log=logs.append)[0].status == "skipped"

@@ -123,22 +123,39 @@ def _skip(stage: Stage, params: dict[str, Any], key: str, hit: dict[str, Any],
 STARTED = "_started"  # cache entry: stage name -> key of the run last started (maybe killed)
 
 
+def _output_paths(stage: Stage, params: dict[str, Any]) -> list[str]:
+    return [str(params[o]) for o in stage.outputs if looks_like_path(params.get(o))]
+
+
+def _last_finished(
+    stage: Stage, params: dict[str, Any], cache: dict[str, Any], unrecorded: bool = False
+) -> str | None:
+    """Key of the last finished run that wrote this stage's output paths (what is on disk).
+    `unrecorded`: count runs from before the cache recorded outputs as writing them too."""
+    paths = _output_paths(stage, params)
+    finished = [(e["finished"], k) for k, e in cache.get(stage.name, {}).items()
+                if "finished" in e and e.get("outputs", paths if unrecorded else None) == paths]  # fmt: skip
+    return max(finished)[1] if finished else None
+
+
 def _set_aside(stage: Stage, params: dict[str, Any], key: str, cache: dict[str, Any],
                run_id: str, log: Callable[[str], None], prefix: str) -> None:  # fmt: skip
-    """Move aside outputs that the stage's last finished run made from other inputs.
+    """Move aside outputs that the last finished run into these paths made from other inputs.
 
     Why: a stage reruns into the same paths when its inputs change (a profile's new prompt
     pick, say), and a capture or training folder refuses to resume from other arguments, so
     the run would stop there. The old result is renamed `<name>.before-<run id>`, never
     deleted. Outputs of a started run of these same inputs (killed midway) stay, to resume.
+    Runs into other paths (another WORKBENCH_HOME) do not count; entries from before outputs
+    were recorded do.
     """
-    if cache.get(STARTED, {}).get(stage.name) == key:
+    paths = _output_paths(stage, params)
+    if cache.get(STARTED, {}).get(stage.name) == {"key": key, "outputs": paths}:
         return
-    finished = [e for e in cache.get(stage.name, {}).items() if "finished" in e[1]]
-    if not finished or max(finished, key=lambda e: e[1]["finished"])[0] == key:
+    if _last_finished(stage, params, cache, unrecorded=True) in (key, None):
         return
-    for o in stage.outputs:
-        if looks_like_path(params.get(o)) and (path := Path(params[o])).exists():
+    for path in map(Path, paths):
+        if path.exists():
             aside = path.with_name(f"{path.name}.before-{run_id}")
             path.rename(aside)
             log(f"{prefix}: {path} was made from other inputs: moved aside to {aside}")
@@ -170,9 +187,13 @@ def run_stages(
         params = resolve_references(stage.parameters, done)
         validate_parameters(stage.notebook, params)
         key = stage_key(stage, params)
-        hit = read_json_file(cache_path, "stage cache", {}).get(stage.name, {}).get(key)
+        cache = read_json_file(cache_path, "stage cache", {})
+        hit = cache.get(stage.name, {}).get(key)
         if hit and not (reports_dir / hit["run_id"]).is_dir():
             hit = None  # its report is gone: rerun rather than link to nothing
+        last = _last_finished(stage, params, cache)
+        if hit and _output_paths(stage, params) and last not in (key, None):
+            hit = None  # a run from other inputs has written these outputs since
         outputs_exist = all(
             Path(params[o]).exists() for o in stage.outputs if looks_like_path(params.get(o))
         )
@@ -193,7 +214,8 @@ def run_stages(
             log(f"{prefix}: {'forced' if hit and force else 'running'} {stage.notebook}")
             cache = read_json_file(cache_path, "stage cache", {})
             _set_aside(stage, params, key, cache, run_id, log, prefix)
-            cache.setdefault(STARTED, {})[stage.name] = key
+            started = {"key": key, "outputs": _output_paths(stage, params)}
+            cache.setdefault(STARTED, {})[stage.name] = started
             atomic_write_json(cache_path, cache, sort_keys=False)
             try:
                 res = run_notebook(
@@ -208,6 +230,7 @@ def run_stages(
             cache.setdefault(stage.name, {})[key] = {
                 "run_id": run_id, "finished": now(), "figures": res.figures,
                 "duration_s": res.duration_s, "code": code,
+                "outputs": _output_paths(stage, params),
             }  # fmt: skip
             atomic_write_json(cache_path, cache, sort_keys=False)
             log(f"{prefix}: ok in {res.duration_s:.1f}s -> {res.html}")
