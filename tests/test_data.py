@@ -365,10 +365,14 @@ def test_spread_pick_covers_every_category_of_the_built_in_set():
         select(ps, 4, pick="random")
 
 
-def test_the_quick_pipeline_spreads_its_prompts_and_the_full_one_keeps_its_stage_key():
-    """quick passes pick=spread to notebook 01; full (all prompts) passes no pick, so its
-    cached results from before the parameter existed stay reusable."""
-    from workbench.pipeline import stages
+def test_a_profile_passes_its_pick_to_notebook_01_only_when_it_is_not_the_default(monkeypatch):
+    """A profile's pick reaches the capture stage; the default passes none, so stage keys
+    (and cached results) from before the parameter existed stay as they were."""
+    import dataclasses
 
-    assert stages("quick")[0].parameters["pick"] == "spread"
-    assert "pick" not in stages("full")[0].parameters
+    import workbench.pipeline as P
+
+    assert all("pick" not in P.stages(name)[0].parameters for name in P.PIPELINE_PROFILES)
+    spread_quick = dataclasses.replace(P.PIPELINE_PROFILES["quick"], pick="spread")
+    monkeypatch.setitem(P.PIPELINE_PROFILES, "quick", spread_quick)
+    assert P.stages("quick")[0].parameters["pick"] == "spread"

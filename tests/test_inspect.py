@@ -259,6 +259,24 @@ def test_wiring_audit_flags_an_off_by_one_in_the_served_config(trained):
     assert any("hidden-state norms" in f.what and f.severity == ERROR for f in audit.findings)
 
 
+def test_reconcile_downgrades_a_tau_verdict_the_teacher_forced_audit_contradicts(trained):
+    """A τ audit naming a shifted wiring is an error on its own and next to a teacher-forced
+    `shifted_wins`, but a warning naming both audits next to a decisive `configured_wins`."""
+    from workbench.audit import reconcile
+
+    shifted = copy.deepcopy(trained.draft)
+    shifted.config.layer_ids = LayerIds((2, 4, 6))
+    audit = wiring_audit(trained.tgt, shifted, trained.prompts, PARAMS, 40, llm=trained.llm)
+    assert audit.verdict == "shifted wiring wins" and has_errors(audit.findings)
+    tf = SimpleNamespace(verdict="shifted_wins", positions=900, sequences=30)
+    assert reconcile(audit, tf) == audit.findings
+    tf.verdict = "configured_wins"
+    got = reconcile(audit, tf)
+    assert not has_errors(got) and len(got) == len(audit.findings)
+    assert any("teacher-forced audit disagrees" in f.why and "900 positions" in f.why for f in got)
+    assert has_errors(audit.findings)  # the audit itself is left as it was
+
+
 def test_norm_check_flags_shifted_ids_at_any_draft_quality(trained):
     man = read_manifest(trained.cap)
     seqs = [p + [0] for p in trained.ids[:4]]

@@ -63,7 +63,7 @@ class WiringAudit:
     best: str  # name of the winning wiring, or "inconclusive"
     findings: list[Finding]
     norms: list[NormRow] = field(default_factory=list)
-    ci: float = 0.9
+    ci: float = 0.9  # the level of each row's CI (Bonferroni-widened)
     results: dict[str, EvalResult] = field(default_factory=dict)
 
     def table(self) -> list[dict]:
@@ -119,6 +119,10 @@ def wiring_audit(
     paired τ difference (same resampled prompts for both wirings) excludes 0, `rule="overlap"`
     that the two τ CIs do not overlap; otherwise the verdict is "inconclusive" (a weak draft
     cannot tell wirings apart; rely on the norm check, which needs a `capture` manifest).
+    Each comparison's CI is Bonferroni-widened to `1 - (1 - ci) / m` for m alternatives, so
+    the chance of naming a wiring that is no better stays below `(1 - ci) / 2` in all (at a
+    plain 90% each, embedding-first once "won" by +0.014 τ over 16 prompts against a
+    teacher-forced audit that found it worse over 5,866 positions).
     `configured` reuses an `evaluate_draft` result of the configured wiring on the same prompts.
     """
     from workbench.llama import Llama
@@ -135,7 +139,9 @@ def wiring_audit(
     tok = np.array([[r.decode_tokens for r in results[n].requests] for n in names], dtype=float)
     ver = np.array([[r.verify_forwards for r in results[n].requests] for n in names], dtype=float)
     boot = metrics.bootstrap_pooled_tau(tok, ver, n_boot, seed)
-    q = ((1 - ci) / 2 * 100, (1 + ci) / 2 * 100)
+    m = max(len(names) - 1, 1)  # comparisons with the configured wiring
+    level = 1 - (1 - ci) / m  # Bonferroni: the family of m comparisons keeps `ci`
+    q = ((1 - level) / 2 * 100, (1 + level) / 2 * 100)
     lo, hi = np.percentile(boot, q, axis=1)
     dl, dh = np.percentile(boot - boot[0], q, axis=1)
     rows = []
@@ -149,7 +155,7 @@ def wiring_audit(
                               bool(k and beats), bool(k and loses)))  # fmt: skip
     finds: list[Finding] = []
     winners = [r for r in rows[1:] if r.beats_configured]
-    pct = f"{ci:.0%} CI"
+    pct = f"{level:.1%} CI ({ci:.0%} over {m} wirings)"
     if winners:
         best = max(winners, key=lambda r: r.tau)
         verdict, best_name = "shifted wiring wins", best.name
@@ -178,7 +184,30 @@ def wiring_audit(
             seqs = [r.prompt + r.tokens for r in results[names[0]].requests]
             norms, nf = norm_check(llm, seqs, read_manifest(capture), conf, ratio=norm_ratio)
         finds += nf
-    return WiringAudit(rows, verdict, best_name, finds, norms, ci, results)
+    return WiringAudit(rows, verdict, best_name, finds, norms, level, results)
+
+
+def reconcile(wa: WiringAudit, tf: Any) -> list[Finding]:
+    """The τ audit's findings read against the teacher-forced audit (`wiring.TeacherForcedAudit`).
+
+    Why: the τ audit bootstraps over a few prompts; the teacher-forced one scores thousands
+    of positions. When the latter decides for the configured wiring, a τ audit naming another
+    wiring is a disagreement to look at (a WARNING naming both figures), not evidence of an
+    off-by-one (ERROR); when both name a shifted wiring, or the teacher-forced audit is not
+    decisive, the τ audit's findings stand as they are.
+    """
+    if wa.verdict != "shifted wiring wins" or tf.verdict != "configured_wins":
+        return list(wa.findings)
+    out = []
+    for f in wa.findings:
+        if f.severity == ERROR and "accepts more than the configured" in f.what:
+            f = Finding(WARNING, f.what, f.expected, f.got,
+                        f"the teacher-forced audit disagrees, decisively: configured wins over "
+                        f"{tf.positions} positions in {tf.sequences} sequences; a τ lead this "
+                        "small over this few prompts is what prompt sampling gives. Trust the "
+                        "teacher-forced verdict; more prompts would settle the τ audit")  # fmt: skip
+        out.append(f)
+    return out
 
 
 # ---------------------------------------------------------------- config audit
