@@ -17,7 +17,8 @@ import time
 import torch
 
 from workbench.capture import CaptureConfig, CaptureReader, _pack_batches, capture
-from workbench.data import encode_conversation, load_mtbench
+from workbench.chat import encode_conversation
+from workbench.data import load_mtbench
 from workbench.layers import default_layer_ids
 from workbench.target import load_target
 

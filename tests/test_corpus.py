@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from workbench.chat import encode_conversation
 from workbench.corpus import (
     CorpusError,
     CorpusReport,
@@ -20,7 +21,7 @@ from workbench.corpus import (
     with_prefill,
     write_prompts,
 )
-from workbench.data import Prompt, encode_conversation, load_mtbench, load_prompt_set
+from workbench.data import Prompt, load_mtbench, load_prompt_set
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ from collections import Counter
 
 import pytest
 
+from workbench.chat import encode_conversation
 from workbench.data import (
     DataError,
     Prompt,
     RegenConfig,
-    encode_conversation,
     import_jsonl,
     load_humaneval,
     load_mtbench,

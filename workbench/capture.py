@@ -264,7 +264,7 @@ def _capture(
     groups: list[str] | None,
     recorder: Callable = AuxRecorder,
 ) -> dict:
-    from workbench.data import encode_conversation
+    from workbench.chat import encode_conversation
     from workbench.progress import progress as tqdm
     from workbench.target import tokenizer_hash
 

@@ -145,9 +145,8 @@ def capture(
     from workbench.target import load_target
 
     # Every argument is checked before anything is written (the regeneration comes first).
-    regen = RegenConfig(
-        max_new_tokens=max_new_tokens, samples=samples, sample_temperature=sample_temperature
-    )
+    regen = RegenConfig(max_new_tokens=max_new_tokens, samples=samples,
+                        sample_temperature=sample_temperature)  # fmt: skip
     check_n(n)
     check_pick(pick)
     check_count(self_prompts)
@@ -157,8 +156,8 @@ def capture(
     cfg = CaptureConfig(ids, dtype=dtype, max_length=max_length, batch_tokens=batch_tokens)
     if backend not in ("hf", "sglang"):
         raise typer.BadParameter(f"--backend must be hf or sglang, got {backend!r}")
-    ps, info = prepare_conversations(t, prompts, n or None, regen_dir or Path(out) / "regen", regen,
-                                     pick=pick)  # fmt: skip
+    rdir = regen_dir or Path(out) / "regen"
+    ps, info = prepare_conversations(t, prompts, n or None, rdir, regen, pick=pick)
     ps, info["self"] = with_self_prompts(t, ps, self_prompts, Path(out) / "self", regen)
     with contextlib.ExitStack() as stack:
         rec = {}

@@ -18,3 +18,7 @@ class InUseError(WorkbenchError):
 
 class DiskFullError(WorkbenchError):
     """A write failed because the disk (or quota) is full."""
+
+
+class DataError(WorkbenchError):
+    """A prompt set or data file could not be read."""
