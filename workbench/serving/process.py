@@ -191,7 +191,9 @@ def wait_healthy(server: Server, deadline_s: float, poll_s: float = 0.5) -> floa
                 f"server exited with code {code} during start-up; log {server.log_path}:\n"
                 f"{server.log_tail()}"
             )
-        if is_healthy(server.url, timeout=min(5.0, max(poll_s, 1.0))):
+        # SGLang's /health runs a one-token generation: 1.5 s on a slow CPU day, so a 1 s
+        # read timeout never saw its 200 (a plugin server 'unhealthy' for 400 s while serving)
+        if is_healthy(server.url, timeout=5.0):
             now = time.monotonic()
             server.start_s = now - (server.launched_at or t0)
             return now - t0
