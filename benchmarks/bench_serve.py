@@ -2,9 +2,13 @@
 
     python benchmarks/bench_serve.py --draft DRAFT [--backend local|sglang] [--n 8] ...
 
-Each server is launched, loaded (streaming, bounded concurrency) and torn down in turn, so the
-two never compete for the CPU. Prints both summaries and ends in a RESULT line with tok/s of
-each, their ratio, the pooled accept length in both conventions and whether greedy outputs match.
+With the local backend at concurrency 1, both servers are up at once and the requests alternate
+between them, one at a time, the order rotating (`client.run_paired`): a shared machine's drift
+then hits both alike (one server after the other, one draft ranged 0.97-1.31x between runs).
+Otherwise (SGLang, or concurrency > 1) each server is launched, loaded and torn down in turn,
+so the two never compete for the CPU or memory. Prints both summaries and ends in a RESULT
+line with tok/s of each, their ratio, the pooled accept length in both conventions, whether
+greedy outputs match, and the mode (paired or one after another).
 """
 
 from __future__ import annotations
@@ -12,13 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 from workbench import metrics
 from workbench.serving import client as lc
 from workbench.serving.local import LocalConfig
-from workbench.serving.session import open_server
+from workbench.serving.session import Served, load_servers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,22 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     s, k, n = (int(x) for x in args.steps.split("/"))
     reqs = lc.build_requests(args.prompts, args.n, lc.load_tokenizer(args.target))
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-serve-"))
-    runs = {}
-    for name, cfg in (
-        ("eagle3", LocalConfig(args.target, args.draft, "EAGLE3", s, k, n, args.dtype)),
-        ("plain", LocalConfig(args.target, dtype=args.dtype)),
-    ):
-        t0 = time.perf_counter()
-        with open_server(args.backend, cfg, tp_size=args.tp_size) as srv:
-            start = time.perf_counter() - t0
-            load = lc.LoadConfig(srv.url, max_new_tokens=args.max_new_tokens,
-                                 concurrency=args.concurrency)  # fmt: skip
-            runs[name] = lc.run_load(load, reqs, out / f"load-{name}.json")
-        print(f"--- {name} (server up in {start:.1f} s)\n{lc.format_summary(runs[name])}")
+    servers = {
+        "eagle3": Served(LocalConfig(args.target, args.draft, "EAGLE3", s, k, n, args.dtype)),
+        "plain": Served(LocalConfig(args.target, dtype=args.dtype)),
+    }
+    load = dict(max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
+    runs, mode = load_servers(args.backend, servers, load, reqs, out, tp_size=args.tp_size)
+    for name, run in runs.items():
+        print(f"--- {name} ({mode})\n{lc.format_summary(run)}")
     sp, pl = runs["eagle3"].summary, runs["plain"].summary
     same = sum(a.output_ids == b.output_ids
                for a, b in zip(runs["eagle3"].requests, runs["plain"].requests, strict=True))  # fmt: skip
-    print(f"RESULT backend={args.backend} steps={args.steps} n={len(reqs)} "
+    print(f"RESULT backend={args.backend} steps={args.steps} n={len(reqs)} mode={mode.split()[0]} "
           f"concurrency={args.concurrency} tok_s_plain={pl['output_tok_s']:.2f} "
           f"tok_s_spec={sp['output_tok_s']:.2f} "
           f"speedup={metrics.speedup(sp['output_tok_s'], pl['output_tok_s']):.3f} "

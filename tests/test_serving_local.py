@@ -232,6 +232,96 @@ def test_client_summary_on_a_prompt_set(tiny_target, tmp_path):
     assert saved["config"]["request_rate"] is None  # no limit, valid JSON
 
 
+def test_paired_load_alternates_single_requests_between_servers(llm, model, prompts, tmp_path):
+    """run_paired: request i goes to both servers, the order rotating with i; each server's
+    time is its own requests' only; greedy speculative output equals plain, request by request."""
+    d = tiny_draft(model, 96)
+    spec = LocalEngine(llm, None, d, resolve_params(2, 1, 3))
+    plain = LocalEngine(llm, None)
+    reqs = [lc.LoadRequest(f"r{i}", input_ids=p) for i, p in enumerate(prompts * 2)]
+    with LocalServer(spec).start() as a, LocalServer(plain).start() as b:
+        cfgs = {n: lc.LoadConfig(s.url, max_new_tokens=16) for n, s in (("a", a), ("b", b))}
+        t0 = time.perf_counter()
+        runs = lc.run_paired(cfgs, reqs, {n: tmp_path / f"load-{n}.json" for n in cfgs})
+        wall = time.perf_counter() - t0
+        with pytest.raises(lc.LoadError, match="concurrency 1 and no rate"):
+            lc.run_paired({"a": lc.LoadConfig(a.url, concurrency=2)}, reqs)
+    ra, rb = runs["a"], runs["b"]
+    assert ra.status == rb.status == "complete"
+    assert ra.summary["speculative"] and not rb.summary["speculative"]
+    assert [r.output_ids for r in ra.requests] == [r.output_ids for r in rb.requests]
+    for i, (x, y) in enumerate(zip(ra.requests, rb.requests, strict=True)):
+        assert (x.start_s < y.start_s) == (i % 2 == 0), i  # a first, then b first, ...
+        later = max(x, y, key=lambda r: r.start_s)
+        assert later.start_s >= min(x, y, key=lambda r: r.start_s).latency_s  # one at a time
+    for r in (ra, rb):
+        lat = sum(q.latency_s for q in r.requests)
+        assert lat <= r.summary["duration_s"] < lat + 0.5 * len(reqs)
+    assert ra.summary["duration_s"] + rb.summary["duration_s"] <= wall
+    for n in cfgs:
+        saved = json.loads((tmp_path / f"load-{n}.json").read_text())
+        assert saved["status"] == "complete" and len(saved["requests"]) == len(reqs)
+
+
+def test_paired_load_stops_for_all_when_one_server_dies(llm, prompts, tmp_path):
+    """A server stopped mid-load: its results say it died, the other's say why they stopped,
+    and both files keep what completed."""
+    reqs = [lc.LoadRequest(f"r{i}", input_ids=p) for i, p in enumerate(prompts * 3)]
+    a, b = LocalServer(LocalEngine(llm, None)).start(), LocalServer(LocalEngine(llm, None)).start()
+    try:
+
+        def stop_b_after_two() -> None:
+            while lc.get_metrics(b.url).get("sglang:num_requests_total", 0) < 2:
+                time.sleep(0.01)
+            b.stop()
+
+        killer = threading.Thread(target=stop_b_after_two, daemon=True)
+        killer.start()
+        cfgs = {
+            "a": lc.LoadConfig(a.url, max_new_tokens=16),
+            "b": lc.LoadConfig(b.url, max_new_tokens=16),
+        }
+        runs = lc.run_paired(cfgs, reqs, {n: tmp_path / f"load-{n}.json" for n in cfgs})
+        killer.join(timeout=30)
+    finally:
+        a.stop()
+        b.stop()
+    ra, rb = runs["a"], runs["b"]
+    assert rb.status == "partial" and "server died" in rb.reason
+    assert ra.status == "partial" and "'b' died" in ra.reason
+    assert 2 <= rb.summary["n_ok"] < len(reqs) and ra.summary["n_not_sent"] > 0
+    for n, r in runs.items():
+        saved = json.loads((tmp_path / f"load-{n}.json").read_text())
+        assert (
+            saved["status"] == "partial"
+            and sum(q["ok"] for q in saved["requests"]) == (r.summary["n_ok"])
+        )
+
+
+def test_load_servers_pairs_single_request_loads_only(tiny_target_dir, tmp_path):
+    """session.load_servers: launched local servers are paired at concurrency 1, loaded one
+    after another otherwise; both ways write load-<name>.json and tear the servers down."""
+    from workbench.serving.session import Served, load_servers
+
+    cfg = LocalConfig(model_path=str(tiny_target_dir))
+    servers = {"x": Served(cfg), "y": Served(cfg)}
+    reqs = [lc.LoadRequest(f"r{i}", input_ids=[1, 50 + i, 60]) for i in range(3)]
+    said: list[str] = []
+    for conc, mode in ((1, "paired"), (2, "one after another")):
+        out = tmp_path / str(conc)
+        runs, got = load_servers("local", servers, dict(max_new_tokens=6, concurrency=conc), reqs,
+                                 out, say=said.append)  # fmt: skip
+        assert got == mode
+        assert [r.output_ids for r in runs["x"].requests] == [
+            r.output_ids for r in runs["y"].requests
+        ]
+        assert all(json.loads((out / f"load-{n}.json").read_text())["status"] == "complete"
+                   for n in servers)  # fmt: skip
+    assert len(said) == 4 and all("launched in" in x for x in said)
+    urls = [x.split(": ")[1].split(" ")[0] for x in said]
+    assert not any(lc.healthy(u, 1.0) for u in urls)  # torn down
+
+
 def _group_gone(pgid: int, within_s: float) -> bool:
     """Whether process group `pgid` is gone (init reaps orphaned zombies a little later)."""
     deadline = time.monotonic() + within_s
@@ -256,7 +346,9 @@ def test_client_keeps_and_marks_partial_results_when_the_server_dies(tiny_target
     with process.start(argv, tmp_path / "server.log", url, deadline_s=120, env=env) as server:
 
         def kill_after_two() -> None:
-            while lc.get_metrics(url).get("sglang:num_requests_total", 0) < 2:
+            # the counter moves as a request finishes, just before its last chunk is sent: at
+            # 3 (200 tokens later), the first two have surely reached the client
+            while lc.get_metrics(url).get("sglang:num_requests_total", 0) < 3:
                 time.sleep(0.05)
             os.killpg(server.pgid, signal.SIGKILL)
 

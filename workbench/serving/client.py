@@ -263,7 +263,7 @@ async def _run(cfg: LoadConfig, reqs: Sequence[LoadRequest], results: list[Reque
     limits = httpx.Limits(
         max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency
     )
-    t_run = time.perf_counter()
+    t_run = state["t_run"] = time.perf_counter()
 
     async def task(i: int) -> None:
         try:
@@ -399,39 +399,109 @@ def run_load(
     """Run the load against `cfg.url`; write `out` (atomically, also when cut short)."""
     if not reqs:
         raise LoadError("no requests to send")
+    info, before = _begin(cfg, flush)
+    results = [RequestResult(r.id) for r in reqs]
+    state: dict[str, Any] = {"duration_s": 0.0, "server_died": False}
+    try:
+        _run_sync(_run(cfg, reqs, results, state))
+        state["ended"] = True
+    finally:
+        run = _finish(cfg, results, state, info, before, out)
+    return run
+
+
+def run_paired(
+    cfgs: dict[str, LoadConfig],
+    reqs: Sequence[LoadRequest],
+    outs: dict[str, str | Path | None] | None = None,
+) -> dict[str, LoadRun]:
+    """The same requests through every server in `cfgs`, one request at a time, alternating.
+
+    Request i goes to each server in turn, the order rotated by i, so a shared machine's drift
+    (other tenants, clock, cache state) hits every server alike: compared one server after
+    the other, one draft's served speedup over plain ranged 0.97-1.31x between runs here.
+    Each server's throughput counts its own requests' time only; `start_s` is on the common
+    clock of the whole paired run. Needs concurrency 1 and no arrival rate (`run_load` serves
+    other load shapes, one server after another). A server that dies ends the run for all;
+    every results file is still written (status `partial`).
+    """
+    if not reqs:
+        raise LoadError("no requests to send")
+    if not cfgs:
+        raise LoadError("no servers to load")
+    for name, c in cfgs.items():
+        if c.concurrency != 1 or c.request_rate != float("inf"):
+            raise LoadError(
+                f"paired load alternates single requests: server {name!r} has concurrency "
+                f"{c.concurrency} and request_rate {c.request_rate}; use concurrency 1 and no "
+                "rate, or run_load for each server in turn"
+            )
+    outs = outs or {}
+    names = list(cfgs)
+    begun = {n: _begin(cfgs[n], True) for n in names}
+    results = {n: [RequestResult(r.id) for r in reqs] for n in names}
+    states = {n: {"duration_s": 0.0, "server_died": False} for n in names}
+    t0 = time.perf_counter()
+    try:
+        for i, req in enumerate(reqs):
+            if any(st["server_died"] for st in states.values()):
+                break
+            for n in names[i % len(names) :] + names[: i % len(names)]:
+                one: dict[str, Any] = {}
+                _run_sync(_run(cfgs[n], [req], results[n][i : i + 1], one))
+                results[n][i].start_s += one["t_run"] - t0
+                states[n]["duration_s"] += one["duration_s"]
+                states[n]["server_died"] = one["server_died"]
+                if one["server_died"]:
+                    break
+        dead = [n for n in names if states[n]["server_died"]]
+        for n in names:
+            states[n]["ended"] = True
+            if dead and n not in dead:
+                states[n]["stopped"] = f"stopped early: server {dead[0]!r} died mid-load"
+    finally:
+        runs = {n: _finish(cfgs[n], results[n], states[n], *begun[n], outs.get(n)) for n in names}
+    return runs
+
+
+def _begin(cfg: LoadConfig, flush: bool) -> tuple[dict[str, Any], dict[str, float]]:
+    """Check the server is up, flush its cache; its info and metrics before the load."""
     if not healthy(cfg.url, 10.0):
         raise LoadError(f"no healthy server at {cfg.url} (GET /health); start one or fix --url")
     if flush:
         flush_cache(cfg.url)
-    info = get_server_info(cfg.url)
-    before = get_metrics(cfg.url)
-    results = [RequestResult(r.id) for r in reqs]
-    state: dict[str, Any] = {"duration_s": 0.0, "server_died": False}
-    status, reason = "partial", "interrupted"
-    try:
-        _run_sync(_run(cfg, reqs, results, state))
-        if state["server_died"]:
-            reason = "server died mid-load: completed requests kept, the rest failed or unsent"
-        elif any(not r.ok for r in results):
-            reason = "some requests failed: see their error"
-        else:
-            status, reason = "complete", ""
-    finally:
-        summary = summarize(results, state["duration_s"], info.get("speculative_num_steps"))
-        if not state["server_died"] and healthy(cfg.url, 3.0):
-            after = get_metrics(cfg.url)
-            summary["server_metrics_delta"] = {k: after[k] - before.get(k, 0.0) for k in after
-                                               if k.endswith("_total")}  # fmt: skip
-            summary["server_metrics_after"] = after
-            info = get_server_info(cfg.url)
-        conf = asdict(cfg)
-        if conf["request_rate"] == float("inf"):
-            conf["request_rate"] = None  # JSON has no infinity: None = no limit
-        run = LoadRun(status, reason, conf, summary, results, info)
-        if out is not None:
-            run.path = Path(out)
-            run.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(run.path, run.to_dict(), sort_keys=False)
+    return get_server_info(cfg.url), get_metrics(cfg.url)
+
+
+def _finish(cfg: LoadConfig, results: list[RequestResult], state: dict[str, Any],
+            info: dict[str, Any], before: dict[str, float], out: str | Path | None) -> LoadRun:  # fmt: skip
+    """Summary, status and the server's counters over the run; written to `out` atomically."""
+    status, reason = "partial", "interrupted"  # unless the load ran to its end
+    if state["server_died"]:
+        reason = "server died mid-load: completed requests kept, the rest failed or unsent"
+    elif not state.get("ended"):
+        pass
+    elif state.get("stopped"):
+        reason = state["stopped"]
+    elif any(not r.ok for r in results):
+        reason = "some requests failed: see their error"
+    else:
+        status, reason = "complete", ""
+    summary = summarize(results, state["duration_s"], info.get("speculative_num_steps"))
+    if not state["server_died"] and healthy(cfg.url, 3.0):
+        after = get_metrics(cfg.url)
+        summary["server_metrics_delta"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                           if k.endswith("_total")}  # fmt: skip
+        summary["server_metrics_after"] = after
+        info = get_server_info(cfg.url)
+    conf = asdict(cfg)
+    if conf["request_rate"] == float("inf"):
+        conf["request_rate"] = None  # JSON has no infinity: None = no limit
+    run = LoadRun(status, reason, conf, summary, results, info)
+    if out is not None:
+        run.path = Path(out)
+        run.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run.path, run.to_dict(), sort_keys=False)
     return run
 
 

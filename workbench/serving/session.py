@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -101,3 +102,67 @@ def open_server(
                       time.perf_counter() - t0)  # fmt: skip
     finally:
         server.stop()
+
+
+@dataclass
+class Served:
+    """One server of a comparison: launched from `cfg`, or attached at `url`."""
+
+    cfg: LocalConfig
+    url: str = ""
+    trace_dir: str | os.PathLike | None = None  # a launched server's per-cycle trace
+
+
+def load_servers(
+    backend: str,
+    servers: dict[str, Served],
+    load: dict,
+    reqs: list,
+    out_dir: str | os.PathLike,
+    *,
+    tp_size: int = 1,
+    trace_hidden: bool = False,
+    say=print,
+) -> tuple[dict, str]:
+    """The same requests through each server: ({name: LoadRun}, "paired" | "one after another").
+
+    Paired (`client.run_paired`: single requests alternating between servers that are up at
+    once) when the load is one request at a time with no arrival rate and every server can be
+    up at once: the local backend, or servers attached by URL. Otherwise (concurrency, a rate,
+    or launched SGLang servers, which would compete for memory) one server after another.
+    `load` holds `client.LoadConfig`'s fields but the URL. Results: `out_dir/load-<name>.json`.
+    """
+    from workbench.serving import client as lc
+
+    out = Path(out_dir)
+    cfgs = {n: lc.LoadConfig("", **load) for n in servers}  # validates the load once per server
+    single = all(c.concurrency == 1 and c.request_rate == float("inf") for c in cfgs.values())
+    together = backend == "local" or all(s.url for s in servers.values())
+    paired = len(servers) > 1 and single and together
+
+    def opened(stack: contextlib.ExitStack, name: str, s: Served) -> str:
+        srv = stack.enter_context(
+            open_server(
+                backend, s.cfg, s.url, tp_size, trace_dir=s.trace_dir, trace_hidden=trace_hidden
+            )  # fmt: skip
+        )
+        how = (
+            f"launched in {srv.start_s:.1f} s: {shlex.join(srv.argv)}"
+            if srv.launched
+            else "attached"
+        )
+        say(f"{name}: {srv.url} ({how})")
+        return srv.url
+
+    if paired:
+        with contextlib.ExitStack() as stack:
+            for n, s in servers.items():
+                cfgs[n].url = opened(stack, n, s)
+            outs = {n: out / f"load-{n}.json" for n in servers}
+            return lc.run_paired(cfgs, reqs, outs), "paired"
+    runs = {}
+    for n, s in servers.items():
+        with contextlib.ExitStack() as stack:
+            cfgs[n].url = opened(stack, n, s)
+            runs[n] = lc.run_load(cfgs[n], reqs, out / f"load-{n}.json")
+    return runs, "one after another"
