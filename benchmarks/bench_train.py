@@ -96,7 +96,7 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
     torch.manual_seed(0)
     draft = random_draft(V)
     head_rows = torch.randn(V, H) * 0.02
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=True)  # as the trainer
     model = TTTModel(draft, args.ttt, 0.8)
     toks, t0 = 0, 0.0
     for j, gb in enumerate(batches):
@@ -178,7 +178,7 @@ def main() -> None:
         "last_hidden": torch.randn(B, T, H),
     }
     head_rows = torch.randn(args.vocab, H) * 0.02
-    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=True)  # as the trainer
     amp = (
         (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
         if args.amp == "bf16"
