@@ -162,6 +162,33 @@ def test_fast_unroll_equals_the_reference_unroll(sample, monkeypatch):
         torch.testing.assert_close(g_fast[k], g_ref[k], atol=1e-5, rtol=1e-4)
 
 
+def test_an_unroll_without_statistics_trains_the_same():
+    """stats=False (the trainer's steps between log lines): the same loss and gradients, the
+    ce sums kept, the accuracy counts left at zero; soft_ce(top=False) skips only the argmax."""
+    from test_draft_model import tiny_draft
+
+    torch.manual_seed(9)
+    d = tiny_draft(dvocab=64)
+    B, T, K = 3, 40, 4
+    batch = random_batch(B, T)
+    tl = torch.randn(B, T, 64) * 3
+    masks, idx = unroll_masks(batch, K, 0.3)
+    denom = torch.stack([m.sum() for m in masks]).float()
+    out = []
+    for stats in (True, False):
+        d.zero_grad()
+        loss, st = TTTModel(d, K, 0.8)(batch, tl, masks, denom, idx=idx, stats=stats)
+        loss.backward()
+        out.append((loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}))
+    (l1, st1, g1), (l0, st0, g0) = out
+    assert torch.equal(l1, l0) and torch.equal(st1[:, 0], st0[:, 0])
+    assert st1[:, 1:5].sum() > 0 and not st0[:, 1:].any()
+    assert all(torch.equal(g1[k], g0[k]) for k in g1)
+    z = torch.randn(5, 7)
+    ce, top = soft_ce(z, torch.randn(5, 7), top=False)
+    assert ce.shape == (5,) and top.numel() == 0
+
+
 def test_right_padding_changes_nothing_but_the_shapes():
     """collate pads each batch to a multiple of 64 tokens (oneDNN builds a GEMM kernel per
     shape): the fast unroll scores every row and masks the loss, so extra right padding must

@@ -414,8 +414,9 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         ntok = torch.tensor([_ntok(gb, lengths, cfg.max_len, d)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
         tl = head.draft_logits(batch["last_hidden"])
+        log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total  # only these need stats
         with amp_ctx():
-            loss, st = ddp(batch, tl, masks, counts[:-1], float(d.world), idx)
+            loss, st = ddp(batch, tl, masks, counts[:-1], float(d.world), idx, stats=log_now)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
@@ -424,7 +425,7 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         step += 1
         run_steps += 1
         toks += float(counts[-1])
-        if step % cfg.log_every == 0 or step == total:
+        if log_now:
             s = summarize(all_sum(st.detach(), d))
             lval = float(all_sum(loss.detach().clone(), d)) / d.world
             rate = toks / max(time.perf_counter() - t0, 1e-9)

@@ -63,20 +63,22 @@ def step_masks(
 
 class _SoftCE(torch.autograd.Function):
     """Per-row -sum(softmax(t) * log_softmax(z)) = logsumexp(z) - sum(softmax(t) * z), and
-    argmax(z); gradient (softmax(z) - softmax(t)) * g. fp32 math, `chunk` rows at a time."""
+    argmax(z) (empty without `top`); gradient (softmax(z) - softmax(t)) * g. fp32 math, `chunk`
+    rows at a time."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, t: torch.Tensor, chunk: int):
+    def forward(ctx, z: torch.Tensor, t: torch.Tensor, chunk: int, want_top: bool = True):
         N = z.shape[0]
         ce = torch.empty(N, dtype=torch.float32, device=z.device)
-        top = torch.empty(N, dtype=torch.long, device=z.device)
+        top = torch.empty(N if want_top else 0, dtype=torch.long, device=z.device)
         p = torch.empty(t.shape, dtype=torch.float32, device=z.device)
         for a in range(0, N, chunk):
             zc = z[a : a + chunk].float()
             pc = p[a : a + chunk]
             torch.softmax(t[a : a + chunk].float(), -1, out=pc)
             ce[a : a + chunk] = zc.logsumexp(-1) - (pc * zc).sum(-1)
-            top[a : a + chunk] = zc.argmax(-1)
+            if want_top:
+                top[a : a + chunk] = zc.argmax(-1)
         ctx.save_for_backward(z, p)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(top)
@@ -90,18 +92,19 @@ class _SoftCE(torch.autograd.Function):
         for a in range(0, z.shape[0], c):
             sz = z[a : a + c].float().softmax(-1)
             gz[a : a + c] = (sz.sub_(p[a : a + c])).mul_(g[a : a + c, None])
-        return gz, None, None
+        return gz, None, None, None
 
 
 def soft_ce(
-    z: torch.Tensor, t: torch.Tensor, chunk: int = 1024
+    z: torch.Tensor, t: torch.Tensor, chunk: int = 1024, top: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(soft cross-entropy of draft logits z [N, V] against softmax(t) [N, V], argmax(z)).
 
     Equals `-(t.softmax(-1) * z.float().log_softmax(-1)).sum(-1)` up to float rounding (the
-    target rows sum to 1), in one pass per chunk forward and one backward.
+    target rows sum to 1), in one pass per chunk forward and one backward. `top=False` skips
+    the argmax (an empty tensor instead): it only feeds accuracy statistics.
     """
-    return _SoftCE.apply(z, t.detach(), chunk)
+    return _SoftCE.apply(z, t.detach(), chunk, top)
 
 
 def keep_freed_memory() -> bool:
@@ -159,10 +162,12 @@ class TTTModel(nn.Module):
         scale: float = 1.0,
         idx: torch.Tensor | None = None,
         masks_all: list[torch.Tensor] | None = None,
+        stats: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (loss, stats [ttt_len, 9]): ce_sum, correct, count, cond_correct,
         cond_count, then correct, count, cond_correct, cond_count over `masks_all` (zeros
-        without it).
+        without it). `stats=False` leaves all but ce_sum at zero and skips the argmaxes over
+        the draft and target vocabularies behind them (the trainer logs every 10th step).
 
         With `idx` [B, Q] (see `sample_positions`), steps >= 1 unroll only those positions
         and `masks[i>=1]` are [B, Q] (from `subsample_masks`); step 0 always runs on all.
@@ -176,12 +181,12 @@ class TTTModel(nn.Module):
         ref = self.reference
         tprob = tlogits.float().softmax(-1) if ref else None
         tflat = tlogits.reshape(B * T, -1)
-        targ = tlogits.argmax(-1)
+        targ = tlogits.argmax(-1) if stats or ref else None
         ids_ext = F.pad(ids, (0, self.ttt_len + 1)) if idx is not None else None
         h = batch["aux_hidden"]
         kv = TTTKV(reference=ref)
         loss = torch.zeros((), device=ids.device)
-        stats = torch.zeros(self.ttt_len, 9, device=ids.device)
+        out = torch.zeros(self.ttt_len, 9, device=ids.device)
         prefix = torch.ones(B, T, dtype=torch.bool, device=ids.device)  # steps < i all correct
         prefix_all = prefix.clone()
         for i in range(self.ttt_len):
@@ -218,16 +223,18 @@ class TTTModel(nn.Module):
                 at = at_all.clamp(max=T - 1)  # rows past the end are masked out anyway
                 flat = torch.arange(B, device=ids.device)[:, None] * T + at
                 z = d.lm_head(d.norm(hs.reshape(-1, hs.shape[-1])))
-                ce, top = soft_ce(z, tflat.index_select(0, flat.reshape(-1)))
+                ce, top = soft_ce(z, tflat.index_select(0, flat.reshape(-1)), top=stats)
                 ce = ce.view(m.shape) * m
-                ok = (top.view(m.shape) == targ.gather(1, at)) & m
+                ok = (top.view(m.shape) == targ.gather(1, at)) & m if stats else None
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
             with torch.no_grad():
-                stats[i, 0] = ce.sum().detach()
-                stats[i, 1:5], prefix = _step_counts(ok, m, prefix)
+                out[i, 0] = ce.sum().detach()
+                if ok is None:
+                    continue
+                out[i, 1:5], prefix = _step_counts(ok, m, prefix)
                 if masks_all is not None:
-                    stats[i, 5:], prefix_all = _step_counts(ok, masks_all[i], prefix_all)
-        return loss, stats
+                    out[i, 5:], prefix_all = _step_counts(ok, masks_all[i], prefix_all)
+        return loss, out
 
 
 def _step_counts(
