@@ -298,10 +298,16 @@ def test_paired_load_stops_for_all_when_one_server_dies(llm, prompts, tmp_path):
         )
 
 
-def test_load_servers_pairs_single_request_loads_only(tiny_target_dir, tmp_path):
-    """session.load_servers: launched local servers are paired at concurrency 1, loaded one
-    after another otherwise; both ways write load-<name>.json and tear the servers down."""
+def test_load_servers_pairs_single_request_loads_only(tiny_target_dir, tmp_path, monkeypatch):
+    """session.load_servers: launched local servers are paired at concurrency 1 (sharing one
+    loaded target), loaded one after another otherwise; both ways write load-<name>.json and
+    tear the servers down."""
+    import workbench.target
     from workbench.serving.session import Served, load_servers
+
+    loads: list[str] = []
+    real = workbench.target.load_target
+    monkeypatch.setattr(workbench.target, "load_target", lambda p: loads.append(p) or real(p))
 
     cfg = LocalConfig(model_path=str(tiny_target_dir))
     servers = {"x": Served(cfg), "y": Served(cfg)}
@@ -312,6 +318,8 @@ def test_load_servers_pairs_single_request_loads_only(tiny_target_dir, tmp_path)
         runs, got = load_servers("local", servers, dict(max_new_tokens=6, concurrency=conc), reqs,
                                  out, say=said.append)  # fmt: skip
         assert got == mode
+        assert len(loads) == (1 if mode == "paired" else 2)  # paired: one target for both
+        loads.clear()
         assert [r.output_ids for r in runs["x"].requests] == [
             r.output_ids for r in runs["y"].requests
         ]

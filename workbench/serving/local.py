@@ -152,18 +152,28 @@ def load_draft_model(path: str, target, dtype: str = "float32"):
     return draft.to(getattr(torch, dtype)).eval(), ids
 
 
-def load_engine(cfg: LocalConfig) -> LocalEngine:
-    """Load target (+ draft) and check they fit; every user-fixable failure is a WorkbenchError."""
+def load_engine(cfg: LocalConfig, targets: dict | None = None) -> LocalEngine:
+    """Load target (+ draft) and check they fit; every user-fixable failure is a WorkbenchError.
+
+    `targets` (a dict the caller keeps): engines loaded with the same one share a target of
+    the same path and dtype instead of loading it again (servers compared paired are up at
+    once, and only one of them decodes at a time)."""
     from workbench.engine import SpecError, TraceWriter
     from workbench.llama import Llama
     from workbench.target import TargetError, load_target
 
     params = resolve_spec(cfg)  # fail fast, before seconds of loading
-    try:
-        tgt = load_target(cfg.model_path)
-    except TargetError as e:
-        raise LocalServerError(f"cannot load target {cfg.model_path!r}: {e}") from e
-    llm = Llama(tgt.model, cfg.dtype)
+    key = (str(cfg.model_path), cfg.dtype)
+    if targets is not None and key in targets:
+        tgt, llm = targets[key]
+    else:
+        try:
+            tgt = load_target(cfg.model_path)
+        except TargetError as e:
+            raise LocalServerError(f"cannot load target {cfg.model_path!r}: {e}") from e
+        llm = Llama(tgt.model, cfg.dtype)
+        if targets is not None:
+            targets[key] = (tgt, llm)
     draft = ids = None
     if params is not None:
         try:

@@ -64,12 +64,14 @@ def open_server(
     deadline_s: float = 900.0,
     trace_dir: str | os.PathLike | None = None,
     trace_hidden: bool = False,
+    targets: dict | None = None,
 ) -> Iterator[Session]:
     """Attach to `url` when given, else launch `cfg` on `backend` for the block, then stop it.
 
     `trace_dir`: a launched server writes the per-cycle trace there as `trace-rank{R}.jsonl`
     (SGLang through the workbench_trace plugin, the local engine as rank 0), so
-    `serving.plugin.read_trace_dir` reads either; `trace_hidden` adds per-aux-layer norms."""
+    `serving.plugin.read_trace_dir` reads either; `trace_hidden` adds per-aux-layer norms.
+    `targets`: local servers opened with the same dict share a loaded target (`load_engine`)."""
     if backend not in BACKENDS:
         raise ServerError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if url:
@@ -96,7 +98,7 @@ def open_server(
     if trace_dir is not None:
         path = str(Path(trace_dir) / "trace-rank0.jsonl")
         cfg = dataclasses.replace(cfg, trace_path=path, trace_hidden=trace_hidden)
-    server = LocalServer(load_engine(cfg)).start()
+    server = LocalServer(load_engine(cfg, targets)).start()
     try:
         yield Session(server.url, backend, True, cfg.argv(port=server.port),
                       time.perf_counter() - t0)  # fmt: skip
@@ -140,10 +142,18 @@ def load_servers(
     together = backend == "local" or all(s.url for s in servers.values())
     paired = len(servers) > 1 and single and together
 
+    targets: dict = {}  # paired local servers share one loaded target (one decodes at a time)
+
     def opened(stack: contextlib.ExitStack, name: str, s: Served) -> str:
         srv = stack.enter_context(
             open_server(
-                backend, s.cfg, s.url, tp_size, trace_dir=s.trace_dir, trace_hidden=trace_hidden
+                backend,
+                s.cfg,
+                s.url,
+                tp_size,
+                trace_dir=s.trace_dir,
+                trace_hidden=trace_hidden,
+                targets=targets if paired else None,
             )  # fmt: skip
         )
         how = (
