@@ -2,12 +2,10 @@
 
 `GET /health`, `POST /generate` (SGLang's request and response shape, `meta_info` with the
 `spec_*` fields), `GET /metrics` (Prometheus text, SGLang's metric names), `GET /server_info`
-(`internal_states[0].avg_spec_accept_length`), `POST /flush_cache`. The load client, notebook 04
-and the sweeps talk to this server and to a real SGLang server the same way.
+(`internal_states[0].avg_spec_accept_length`), `POST /flush_cache`: clients talk to it as to SGLang.
 
-Batch 1: one engine, requests are served one at a time under a lock (a queued request waits,
-and its TTFT and latency include the wait, as on any server). Plain decoding goes through the
-same engine (`draft=None`), so "the same server without speculation" is a fair baseline.
+Batch 1: one engine serves requests one at a time under a lock (a queued request's TTFT and
+latency include its wait). Plain decoding is the same engine with `draft=None`: a fair baseline.
 
 Figures follow SGLang's semantics (formulas in `workbench/metrics.py`): `spec_verify_ct` counts
 target verify forwards (the prefill is not one), `completion_tokens` counts the prefill's token,
@@ -18,10 +16,9 @@ accepted exactly i draft tokens. The `/metrics` gauges `spec_accept_length`/`spe
 hold the last request's values (SGLang's are last-value gauges too); `avg_spec_accept_length`
 in `/server_info` is pooled since start or the last `/flush_cache`.
 
-Run it: `python -m workbench.serving.local --model-path smollm2-135m
---speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT --port 0` (flag names as in
-`sglang.launch_server`), `workbench serve --backend local`, or `LocalServer(engine).start()` in
-a thread (tests, notebooks).
+Run it: `python -m workbench.serving.local --model-path smollm2-135m --speculative-algorithm
+EAGLE3 --speculative-draft-model-path DRAFT --port 0` (`sglang.launch_server`'s flag names),
+`workbench serve --backend local`, or `LocalServer(engine).start()` in a thread.
 """
 
 from __future__ import annotations
@@ -154,26 +151,20 @@ def load_draft_model(path: str, target, dtype: str = "float32"):
 
 def load_engine(cfg: LocalConfig, targets: dict | None = None) -> LocalEngine:
     """Load target (+ draft) and check they fit; every user-fixable failure is a WorkbenchError.
-
-    `targets` (a dict the caller keeps): engines loaded with the same one share a target of
-    the same path and dtype instead of loading it again (servers compared paired are up at
-    once, and only one of them decodes at a time)."""
+    Engines given one `targets` dict share a target of the same path and dtype (paired servers)."""
     from workbench.engine import SpecError, TraceWriter
     from workbench.llama import Llama
     from workbench.target import TargetError, load_target
 
     params = resolve_spec(cfg)  # fail fast, before seconds of loading
-    key = (str(cfg.model_path), cfg.dtype)
-    if targets is not None and key in targets:
-        tgt, llm = targets[key]
-    else:
+    targets = {} if targets is None else targets
+    if (key := (str(cfg.model_path), cfg.dtype)) not in targets:
         try:
             tgt = load_target(cfg.model_path)
         except TargetError as e:
             raise LocalServerError(f"cannot load target {cfg.model_path!r}: {e}") from e
-        llm = Llama(tgt.model, cfg.dtype)
-        if targets is not None:
-            targets[key] = (tgt, llm)
+        targets[key] = (tgt, Llama(tgt.model, cfg.dtype))
+    tgt, llm = targets[key]
     draft = ids = None
     if params is not None:
         try:

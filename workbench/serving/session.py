@@ -154,7 +154,7 @@ def load_servers(
                 trace_dir=s.trace_dir,
                 trace_hidden=trace_hidden,
                 targets=targets if paired else None,
-            )  # fmt: skip
+            )
         )
         how = (
             f"launched in {srv.start_s:.1f} s: {shlex.join(srv.argv)}"
