@@ -404,6 +404,8 @@ def test_a_rerun_from_other_inputs_moves_the_old_outputs_aside_and_a_killed_one_
     run is not reused once another run has written its output folder."""
     import workbench.report.stages as S
 
+    # every run "finishes" in the same second (fast runs do): the order must not rest on time
+    monkeypatch.setattr(S, "now", lambda: "2026-12-02T05:00:00+00:00")
     rd, out = tmp_path / "reports", tmp_path / "art" / "a"
     logs: list[str] = []
 

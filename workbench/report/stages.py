@@ -133,9 +133,10 @@ def _last_finished(
     """Key of the last finished run that wrote this stage's output paths (what is on disk).
     `unrecorded`: count runs from before the cache recorded outputs as writing them too."""
     paths = _output_paths(stage, params)
-    finished = [(e["finished"], k) for k, e in cache.get(stage.name, {}).items()
+    # ordered by `seq` (timestamps have whole seconds: two fast runs would tie), then time
+    finished = [(e.get("seq", 0), e["finished"], k) for k, e in cache.get(stage.name, {}).items()
                 if "finished" in e and e.get("outputs", paths if unrecorded else None) == paths]  # fmt: skip
-    return max(finished)[1] if finished else None
+    return max(finished)[2] if finished else None
 
 
 def _set_aside(stage: Stage, params: dict[str, Any], key: str, cache: dict[str, Any],
@@ -227,8 +228,10 @@ def run_stages(
                 log(f"{prefix}: FAILED: {e}")
                 raise
             cache = read_json_file(cache_path, "stage cache", {})
-            cache.setdefault(stage.name, {})[key] = {
-                "run_id": run_id, "finished": now(), "figures": res.figures,
+            entries = cache.setdefault(stage.name, {})
+            seq = 1 + max((e.get("seq", 0) for e in entries.values()), default=0)
+            entries[key] = {
+                "run_id": run_id, "finished": now(), "seq": seq, "figures": res.figures,
                 "duration_s": res.duration_s, "code": code,
                 "outputs": _output_paths(stage, params),
             }  # fmt: skip
