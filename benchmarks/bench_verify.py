@@ -30,9 +30,11 @@ hides under the stream: the same matmuls take 25.6 ms at 8 rows (85 GFLOP/s) vs 
 does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its ratio is similar
 (matmuls alone 1.34x). Two threads on this 2-core shared box measure the scheduler, not the model.
 
-Since fp32 inputs of 1-2 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
-there), the fp32 ratios divide by that faster one-token decode; "float32 oneDNN only" is the
-all-packed path (where a verify is bit-identical to decode steps, `llama.linear`), and the
+Since fp32 inputs of 1-3 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
+there), the fp32 ratios divide by that faster one-token decode, and verifies of 4-8 rows run
+MKL's packed sgemm there (`llama.default_mkl_packs`; on a Xeon with AMX, two threads, against
+the oneDNN weights of before, from one `--against` run: k4 1.34 -> 1.25, k8 1.58 -> 1.43 with
+a 40 ms decode step). "float32 oneDNN only" is the all-packed path (where a verify is bit-identical to decode steps, `llama.linear`), and the
 RESULT line carries both, with each one-token decode time.
 
 Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...
@@ -57,7 +59,7 @@ os.environ.setdefault("MKL_CBWR", "AVX512")  # before torch loads MKL
 import torch  # noqa: E402
 
 from workbench.layers import default_layer_ids  # noqa: E402
-from workbench.llama import Llama, default_mkl_rows  # noqa: E402
+from workbench.llama import Llama, default_mkl_packs, default_mkl_rows  # noqa: E402
 
 KS = (1, 2, 4, 8)
 CLOCK = time.perf_counter
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target, dtype="float32")
     print(
         f"target {target.name}, threads {torch.get_num_threads()}, fp32 inputs of <= "
-        f"{default_mkl_rows(torch.float32)} rows on MKL, MKL_CBWR="
+        f"{default_mkl_rows(torch.float32)} rows on MKL (packs for {default_mkl_packs(torch.float32)} "
+        "rows), MKL_CBWR="
         f"{os.environ.get('MKL_CBWR')}, {args.clock} clock, {args.repeats} interleaved "
         "repeats, medians "
         f"(load average {os.getloadavg()[0]:.1f}: timings on a shared machine are noisy)"

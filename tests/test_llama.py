@@ -8,7 +8,16 @@ import torch
 import transformers
 
 from workbench.errors import WorkbenchError
-from workbench.llama import Llama, Packed, default_mkl_rows, linear, pack_weight, rms_norm
+from workbench.llama import (
+    Llama,
+    Packed,
+    default_mkl_packs,
+    default_mkl_rows,
+    linear,
+    mkl_packs_available,
+    pack_weight,
+    rms_norm,
+)
 
 ATOL = 2e-5
 
@@ -26,11 +35,17 @@ def model():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("onednn,mkl_rows", [(True, 0), (True, 2), (False, 0)])
-@pytest.mark.parametrize("k", [1, 2, 8])
-def test_verify_then_decode_matches_hf(model, onednn, mkl_rows, k):
+MKL_PACKS = pytest.mark.skipif(not mkl_packs_available(), reason="torch without MKL sgemm packs")
+
+
+@pytest.mark.parametrize(
+    "onednn,mkl_rows,mkl_packs",
+    [(True, 0, ()), (True, 2, ()), pytest.param(True, 3, (4, 8), marks=MKL_PACKS), (False, 0, ())],
+)
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_verify_then_decode_matches_hf(model, onednn, mkl_rows, mkl_packs, k):
     """A k-token verify (not advancing), rollback-free re-verify, then decode == HF logits."""
-    llm = Llama(model, torch.float32, onednn=onednn, mkl_rows=mkl_rows)
+    llm = Llama(model, torch.float32, onednn=onednn, mkl_rows=mkl_rows, mkl_packs=mkl_packs)
     x = torch.randint(0, 256, (1, 30 + k + 3), generator=torch.Generator().manual_seed(k))
     with torch.no_grad():
         ref = model(x).logits[0]
@@ -160,3 +175,39 @@ def test_small_inputs_take_plain_f_linear_and_larger_ones_the_packed_weight(mode
     assert default_mkl_rows(torch.bfloat16) == 0  # bf16 always packs
     assert Llama(model, torch.float32, mkl_rows=0).layers[0].wo.is_mkldnn
     assert isinstance(Llama(model, torch.float32, mkl_rows=2).head, Packed)
+
+
+@MKL_PACKS
+def test_verify_sized_inputs_take_mkl_packs_padded_with_zero_rows(model, monkeypatch):
+    """Inputs above `mkl_rows` and up to a pack's size run MKL's packed sgemm: padding to
+    the pack's size leaves the real rows as they would be next to any other rows (so the
+    padding cannot leak), they agree with F.linear to fp32 rounding, and larger inputs
+    still take the oneDNN weight."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)
+    p = Packed(pack_weight(w), w, 2, {4: torch.ops.mkl._mkl_reorder_linear_weight(w, 4),
+                                       8: torch.ops.mkl._mkl_reorder_linear_weight(w, 8)})  # fmt: skip
+    x = torch.randn(1, 12, 64, generator=g)
+    for rows, bs in ((3, 4), (4, 4), (5, 8), (8, 8)):
+        got = linear(x[:, :rows], p)
+        torch.testing.assert_close(got, F.linear(x[:, :rows], w), atol=1e-5, rtol=0)
+        full = linear(x[:, :bs], p)  # the same pack with real rows where the padding was
+        assert torch.equal(got, full[:, :rows]), rows
+    assert torch.equal(linear(x[:, :2], p), F.linear(x[:, :2], w))
+    assert torch.equal(linear(x, p), linear(x, p.packed))  # 12 rows: oneDNN
+    monkeypatch.setenv("WORKBENCH_MKL_PACKS", " 8, 4 ")
+    assert default_mkl_packs(torch.float32) == (4, 8)
+    assert default_mkl_packs(torch.bfloat16) == ()
+    monkeypatch.setenv("WORKBENCH_MKL_PACKS", "")
+    assert default_mkl_packs(torch.float32) == ()
+    monkeypatch.setenv("WORKBENCH_MKL_PACKS", "4,eight")
+    with pytest.raises(WorkbenchError, match="WORKBENCH_MKL_PACKS='4,eight'"):
+        default_mkl_packs(torch.float32)
+    monkeypatch.delenv("WORKBENCH_MKL_PACKS")
+    llm = Llama(model, torch.float32, mkl_rows=3, mkl_packs=(8, 4))
+    assert llm.mkl_packs == (4, 8) and sorted(llm.head.mkl_packs) == [4, 8]
+    assert Llama(model, torch.float32, mkl_rows=0, mkl_packs=None).mkl_packs == ()
+    with pytest.raises(WorkbenchError, match="need fp32"):
+        Llama(model, torch.bfloat16, mkl_packs=(4,))

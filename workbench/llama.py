@@ -16,7 +16,8 @@ forward is meant to serve a speculative decoding engine, hence the cache API:
 Weights come from a loaded HF Llama model (fused qkv and gate/up copies in a chosen dtype);
 on CPU, fp32/bf16 matmul weights are packed once for oneDNN (see `linear`: verifying k tokens
 then costs about one decode step, and fp32 decode/prefill ran 1.6x faster than on MKL on an AMD
-CPU); on Intel CPUs fp32 inputs of 1-2 rows stay on MKL, which streams them faster there.
+CPU); on Intel CPUs fp32 inputs of 1-3 rows stay on MKL, which streams them faster there,
+and verify-sized inputs (4-8 rows) run MKL's packed sgemm.
 Per step, besides the matmuls, a layer applies RoPE to q and k in one pass, writes the cache
 with one slice copy per tensor when all rows are at the same length (batch 1 always), and
 SDPA gets an additive mask built once per forward: results are bit-identical to the
@@ -119,11 +120,13 @@ def pack_weight(w: Tensor) -> Tensor:
 
 @dataclass
 class Packed:
-    """A packed weight plus its plain copy for inputs of at most `mkl_rows` rows (`linear`)."""
+    """A packed weight plus its plain copy for inputs of at most `mkl_rows` rows, and MKL
+    sgemm packs for verify-sized inputs: `mkl_packs[bs]` serves up to bs rows (`linear`)."""
 
     packed: Tensor
     plain: Tensor
     mkl_rows: int
+    mkl_packs: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def shape(self) -> torch.Size:
@@ -131,21 +134,52 @@ class Packed:
 
 
 def default_mkl_rows(dtype: torch.dtype) -> int:
-    """Rows up to which fp32 matmuls stay on MKL (F.linear) rather than packed oneDNN.
+    """Rows up to which fp32 matmuls stay on MKL (F.linear) rather than packed kernels.
 
     Measured with the whole 30-layer SmolLM2 forward, one thread, CPU clock: on a Xeon with
     AMX, MKL took 51.3 / 52.8 ms at 1 / 2 rows against oneDNN's 58.0 / 60.4 (85 vs 59 at 4
     rows, 113 vs 70 at 8); on an AMD EPYC, oneDNN won at every row count (MKL runs its slower
-    kernels there). So 2 on Intel CPUs, 0 elsewhere; bf16 always packs (F.linear in bf16
-    re-lays the weight out on every call). The environment variable WORKBENCH_MKL_ROWS
-    overrides it."""
+    kernels there). A 3-row verify on MKL took 44.5 ms, against 50.6 on a 4-row MKL pack and
+    57.6 on oneDNN (Xeon with AMX, two threads, a 41 ms decode step). So 3 on Intel CPUs, 0
+    elsewhere; bf16 always packs (F.linear in bf16 re-lays the weight out on every call). The
+    environment variable WORKBENCH_MKL_ROWS overrides it."""
     import os
 
     if (env := os.environ.get("WORKBENCH_MKL_ROWS")) is not None:
         if not env.isdigit():
-            raise WorkbenchError(f"WORKBENCH_MKL_ROWS={env!r}: expected a row count such as 0 or 2")
+            raise WorkbenchError(f"WORKBENCH_MKL_ROWS={env!r}: expected a row count such as 0 or 3")
         return int(env)
-    return 2 if dtype == torch.float32 and _intel_cpu() else 0
+    return 3 if dtype == torch.float32 and _intel_cpu() else 0
+
+
+def mkl_packs_available() -> bool:
+    """Whether this torch exposes MKL's packed sgemm (`torch.ops.mkl._mkl_linear`)."""
+    return hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(
+        torch.ops.mkl, "_mkl_reorder_linear_weight"
+    )
+
+
+def default_mkl_packs(dtype: torch.dtype) -> tuple[int, ...]:
+    """Row counts for which fp32 weights also get an MKL sgemm pack (verify-sized inputs).
+
+    On a Xeon with AMX (two threads, decode 41 ms) a verify on oneDNN's packed weights cost
+    58.6 ms at 4 rows and 67.4 at 8; on MKL packs made for 4 and 8 rows (smaller inputs
+    padded with zero rows) 51.0 and 56.9. Each pack is another copy of the matmul weights
+    (540 MB for SmolLM2-135M in fp32), so only two sizes. (4, 8) on Intel CPUs where
+    fp32 stays on MKL for small inputs, () elsewhere; WORKBENCH_MKL_PACKS overrides it
+    ("4,8", or "" for none)."""
+    import os
+
+    if dtype != torch.float32:
+        return ()
+    if (env := os.environ.get("WORKBENCH_MKL_PACKS")) is not None:
+        parts = [p.strip() for p in env.split(",") if p.strip()]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise WorkbenchError(
+                f"WORKBENCH_MKL_PACKS={env!r}: expected row counts such as 4,8 (or empty for none)"
+            )
+        return tuple(sorted({int(p) for p in parts}))
+    return (4, 8) if _intel_cpu() and mkl_packs_available() else ()
 
 
 @functools.cache
@@ -167,8 +201,11 @@ def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     count measured (lm_head, one core: 1 row 3.1 vs 6.8 ms, 2 rows 3.4 vs 16, 8 rows 4.7 vs
     15; ~2x at 512-2048 rows) and agrees with F.linear to fp32 rounding. bf16 matmuls already
     run in oneDNN, but re-lay the weight out on every call: packed once they take half the
-    time at 1-8 rows, with identical results. On Intel CPUs MKL streams 1-2 rows faster than
-    oneDNN (`default_mkl_rows`), so a `Packed` weight sends inputs that small to F.linear.
+    time at 1-8 rows, with identical results. On Intel CPUs MKL streams 1-3 rows faster than
+    oneDNN (`default_mkl_rows`), so a `Packed` weight sends inputs that small to F.linear,
+    and inputs of up to 8 rows to MKL's packed sgemm (`default_mkl_packs`), padded with zero
+    rows to the size a pack was made for (rows of a matmul are independent: the real rows
+    come out the same, tests/test_llama.py).
 
     A lone fp32 row on oneDNN runs as two: oneDNN's one-row kernel splits long reductions
     (SmolLM2's 1536-wide down projection) its own way, while the rows of its 2+-row kernel
@@ -179,8 +216,16 @@ def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     The second row costs ~3% of a decode step; bf16 needs no padding (measured identical).
     """
     if isinstance(w, Packed):
-        if x.numel() <= w.mkl_rows * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows <= w.mkl_rows:
             return F.linear(x, w.plain, b)
+        for bs, pk in w.mkl_packs.items():  # ascending
+            if rows <= bs:
+                x2 = x.reshape(rows, -1)
+                if rows < bs:  # rows are independent: zero rows pad to the packed size
+                    x2 = torch.cat((x2, x2.new_zeros(bs - rows, x2.shape[1])))
+                y = torch.ops.mkl._mkl_linear(x2, pk, w.plain, b, bs)
+                return y[:rows].view(*x.shape[:-1], y.shape[-1])
         w = w.packed
     if not w.is_mkldnn:
         return F.linear(x, w, b)
@@ -215,6 +260,7 @@ class Llama:
         dtype: torch.dtype | str | None = None,
         onednn: bool | None = None,
         mkl_rows: int | None = None,
+        mkl_packs: Sequence[int] | None = None,
     ):
         cfg = hf_model.config
         if isinstance(dtype, str):
@@ -261,12 +307,24 @@ class Llama:
         fits = dev.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
         self.onednn = fits if onednn is None else bool(onednn and fits)
         self.head = self.lm_head  # the weight the logits use (packed or `lm_head` itself)
-        # inputs of at most mkl_rows rows keep plain F.linear (a second copy of each weight)
+        # inputs of at most mkl_rows rows keep plain F.linear (a second copy of each weight),
+        # inputs of up to max(mkl_packs) rows MKL sgemm packs (a copy per size)
         self.mkl_rows = default_mkl_rows(dtype) if mkl_rows is None else mkl_rows
+        if mkl_packs is None:
+            mkl_packs = default_mkl_packs(dtype) if self.mkl_rows else ()
+        self.mkl_packs = tuple(sorted(set(mkl_packs)))
+        if self.mkl_packs and not (mkl_packs_available() and dtype == torch.float32):
+            raise WorkbenchError(
+                f"mkl_packs={self.mkl_packs}: MKL sgemm packs need fp32 and a torch built with "
+                "MKL; pass mkl_packs=() (or set WORKBENCH_MKL_PACKS=)"
+            )
         if self.onednn:
 
             def pack(w: Tensor) -> Tensor | Packed:
-                return Packed(pack_weight(w), w, self.mkl_rows) if self.mkl_rows else pack_weight(w)
+                if not (self.mkl_rows or self.mkl_packs):
+                    return pack_weight(w)
+                mp = {bs: torch.ops.mkl._mkl_reorder_linear_weight(w, bs) for bs in self.mkl_packs}
+                return Packed(pack_weight(w), w, self.mkl_rows, mp)
 
             for L in self.layers:
                 L.wqkv, L.wo, L.w13, L.w2 = map(pack, (L.wqkv, L.wo, L.w13, L.w2))
