@@ -476,11 +476,11 @@ def _begin(cfg: LoadConfig, flush: bool) -> tuple[dict[str, Any], dict[str, floa
 def _finish(cfg: LoadConfig, results: list[RequestResult], state: dict[str, Any],
             info: dict[str, Any], before: dict[str, float], out: str | Path | None) -> LoadRun:  # fmt: skip
     """Summary, status and the server's counters over the run; written to `out` atomically."""
-    status, reason = "partial", "interrupted"  # unless the load ran to its end
+    status = "partial"
     if state["server_died"]:
         reason = "server died mid-load: completed requests kept, the rest failed or unsent"
     elif not state.get("ended"):
-        pass
+        reason = "interrupted"  # the load did not run to its end (Ctrl-C, an error)
     elif state.get("stopped"):
         reason = state["stopped"]
     elif any(not r.ok for r in results):
