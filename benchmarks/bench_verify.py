@@ -2,7 +2,7 @@
 
 Decode at batch 1 is bound by reading the weights, so a k-token verify (the engine's
 speculative step: k tokens, logits for all of them, the aux layers recorded, cache not
-advanced) should cost little more than a one-token decode step. For k in {1, 2, 4, 8} and
+advanced) should cost little more than a one-token decode step. For k in {1, 2, 3, 4, 8} and
 both fp32 and bf16 this times exactly those two calls of `workbench.llama.Llama` after a
 128-token prefill, interleaved (every repeat runs every k in turn) and reports medians, so
 noise from other processes on a shared machine hits every k alike. Ratios are
@@ -37,9 +37,10 @@ the oneDNN weights of before, from one `--against` run: k4 1.34 -> 1.25, k8 1.58
 a 40 ms decode step). "float32 oneDNN only" is the all-packed path (where a verify is bit-identical to decode steps, `llama.linear`), and the
 RESULT line carries both, with each one-token decode time.
 
-Last line: `RESULT verify_cost_k2=... k4=... k8=... bf16_k2=... bf16_k4=... bf16_k8=...
-decode_ms=... [onednn_k2=... onednn_k4=... onednn_k8=... onednn_decode_ms=...] [against_k2=...
-against_k4=... against_k8=... against_decode_ms=...]` (against_: fp32 at REV, ratios to its own
+Last line: `RESULT verify_cost_k2=... k3=... k4=... k8=... bf16_k2=... bf16_k3=... bf16_k4=...
+bf16_k8=... decode_ms=... [onednn_k2=... onednn_k3=... onednn_k4=... onednn_k8=...
+onednn_decode_ms=...] [against_k2=... against_k3=... against_k4=... against_k8=...
+against_decode_ms=...]` (against_: fp32 at REV, ratios to its own
 decode step).
 Run: `python benchmarks/bench_verify.py [--repeats 10] [--threads N] [--clock wall|cpu]
 [--compare] [--against REV] [--breakdown] [--target smollm2-135m]`.
@@ -61,7 +62,7 @@ import torch  # noqa: E402
 from workbench.layers import default_layer_ids  # noqa: E402
 from workbench.llama import Llama, default_mkl_packs, default_mkl_rows  # noqa: E402
 
-KS = (1, 2, 4, 8)
+KS = (1, 2, 3, 4, 8)  # 3: the 2-step chain (2/1/3), the last row count on plain MKL (Intel)
 CLOCK = time.perf_counter
 
 
