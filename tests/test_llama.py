@@ -211,3 +211,19 @@ def test_verify_sized_inputs_take_mkl_packs_padded_with_zero_rows(model, monkeyp
     assert Llama(model, torch.float32, mkl_rows=0, mkl_packs=None).mkl_packs == ()
     with pytest.raises(WorkbenchError, match="need fp32"):
         Llama(model, torch.bfloat16, mkl_packs=(4,))
+
+
+@MKL_PACKS
+def test_default_packs_are_left_off_when_they_would_crowd_memory(model, monkeypatch):
+    """Two more copies of a large target's weights must not exhaust RAM: the default packs
+    are dropped, with a warning, above a quarter of the available memory; asked for, kept."""
+    import workbench.llama as llama_mod
+
+    monkeypatch.setenv("WORKBENCH_MKL_PACKS", "4,8")
+    monkeypatch.setattr(llama_mod, "available_memory", lambda: 64 << 30)
+    assert Llama(model, torch.float32, mkl_rows=3).mkl_packs == (4, 8)
+    monkeypatch.setattr(llama_mod, "available_memory", lambda: 1 << 20)  # 1 MB
+    with pytest.warns(UserWarning, match=r"MKL verify packs \(4, 8\) left off"):
+        llm = Llama(model, torch.float32, mkl_rows=3)
+    assert llm.mkl_packs == () and llm.head.mkl_packs == {}
+    assert Llama(model, torch.float32, mkl_rows=3, mkl_packs=(4, 8)).mkl_packs == (4, 8)

@@ -30,6 +30,7 @@ match HF exactly; length-dependent types (dynamic, longrope) are refused.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -165,7 +166,8 @@ def default_mkl_packs(dtype: torch.dtype) -> tuple[int, ...]:
     On a Xeon with AMX (two threads, decode 41 ms) a verify on oneDNN's packed weights cost
     58.6 ms at 4 rows and 67.4 at 8; on MKL packs made for 4 and 8 rows (smaller inputs
     padded with zero rows) 51.0 and 56.9. Each pack is another copy of the matmul weights
-    (540 MB for SmolLM2-135M in fp32), so only two sizes. (4, 8) on Intel CPUs where
+    (540 MB for SmolLM2-135M in fp32), so only two sizes, and `Llama` leaves them off when
+    they would take over a quarter of the available memory. (4, 8) on Intel CPUs where
     fp32 stays on MKL for small inputs, () elsewhere; WORKBENCH_MKL_PACKS overrides it
     ("4,8", or "" for none)."""
     import os
@@ -180,6 +182,18 @@ def default_mkl_packs(dtype: torch.dtype) -> tuple[int, ...]:
             )
         return tuple(sorted({int(p) for p in parts}))
     return (4, 8) if _intel_cpu() and mkl_packs_available() else ()
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 @functools.cache
@@ -312,6 +326,7 @@ class Llama:
         self.mkl_rows = default_mkl_rows(dtype) if mkl_rows is None else mkl_rows
         if mkl_packs is None:
             mkl_packs = default_mkl_packs(dtype) if self.mkl_rows else ()
+            mkl_packs = self._packs_that_fit(mkl_packs)
         self.mkl_packs = tuple(sorted(set(mkl_packs)))
         if self.mkl_packs and not (mkl_packs_available() and dtype == torch.float32):
             raise WorkbenchError(
@@ -329,6 +344,31 @@ class Llama:
             for L in self.layers:
                 L.wqkv, L.wo, L.w13, L.w2 = map(pack, (L.wqkv, L.wo, L.w13, L.w2))
             self.head = pack(self.lm_head)
+
+    def _packs_that_fit(self, packs: Sequence[int]) -> tuple[int, ...]:
+        """The default packs, or none when their copies would take over a quarter of the
+        memory available now: on a large target the verify speed-up gives way, not the RAM."""
+        if not packs:
+            return ()
+        per_copy = (
+            sum(
+                t.numel() * t.element_size()
+                for L in self.layers
+                for t in (L.wqkv, L.wo, L.w13, L.w2)
+            )
+            + self.lm_head.numel() * self.lm_head.element_size()
+        )
+        avail = available_memory()
+        if avail is not None and len(packs) * per_copy > avail // 4:
+            warnings.warn(
+                f"MKL verify packs {tuple(packs)} left off: {len(packs)} more copies of the "
+                f"matmul weights ({len(packs) * per_copy / 2**30:.1f} GB) exceed a quarter of "
+                f"the {avail / 2**30:.1f} GB available; verifies of 4-8 rows use oneDNN "
+                "instead (pass mkl_packs=(4, 8) to force them)",
+                stacklevel=3,
+            )
+            return ()
+        return tuple(packs)
 
     def logits_of(self, h: Tensor) -> Tensor:
         """Logits of pre-norm hidden states h [..., dim] (final norm, then lm_head)."""
