@@ -324,8 +324,8 @@ class Llama:
         # inputs of at most mkl_rows rows keep plain F.linear (a second copy of each weight),
         # inputs of up to max(mkl_packs) rows MKL sgemm packs (a copy per size)
         self.mkl_rows = default_mkl_rows(dtype) if mkl_rows is None else mkl_rows
-        if mkl_packs is None:
-            mkl_packs = default_mkl_packs(dtype) if self.mkl_rows else ()
+        if mkl_packs is None:  # packs sit beside the oneDNN weights: none without them
+            mkl_packs = default_mkl_packs(dtype) if self.mkl_rows and self.onednn else ()
             mkl_packs = self._packs_that_fit(mkl_packs)
         self.mkl_packs = tuple(sorted(set(mkl_packs)))
         if self.mkl_packs and not (mkl_packs_available() and dtype == torch.float32):
