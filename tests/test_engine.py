@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
+from workbench.draft.model import KVCache as DraftCache
 from workbench.engine import (
     DraftTree,
     Measurement,
@@ -32,6 +33,7 @@ from workbench.engine import (
     speed_figures,
     speed_report,
 )
+from workbench.engine.spec import PackedLinear, packed_draft
 from workbench.engine.speed import served_setting
 from workbench.errors import WorkbenchError
 from workbench.generate import generate_batch
@@ -198,6 +200,42 @@ def test_extend_reads_target_aux_of_accepted_tokens(llm, model, prompts, referen
     assert covered.tolist() == list(range(len(covered)))  # each position extended exactly once
     for pos, h in seen:
         torch.testing.assert_close(h, aux[pos], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_draft_matches_nn_linear_and_leaves_the_draft_as_is(llm, model):
+    """The engine's draft copy runs its matmuls on packed weights: same logits and hidden
+    states as the nn.Linear draft (to fp32 rounding) at chain and tree-step shapes; the
+    draft itself keeps nn.Linear (training, offline evaluation) and shares its embedding."""
+    if not llm.onednn:
+        pytest.skip("this torch has no oneDNN packed linear: the engine keeps nn.Linear")
+    draft = tiny_draft(model, 128)
+    packed = packed_draft(llm, draft)
+    assert packed is not draft and packed.embed_tokens is draft.embed_tokens
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 9  # fc, q/k/v/o, mlp, head
+    assert sum(isinstance(m, torch.nn.Linear) for m in draft.modules()) == 9
+    g = torch.Generator().manual_seed(0)
+    n, H = 12, draft.config.hidden_size
+    ids = torch.randint(0, 256, (1, n + 4), generator=g)
+    aux = torch.randn(1, n, draft.config.fc_in_features, generator=g)
+    h4 = torch.randn(1, 4, H, generator=g)
+    mask = torch.ones(4, n + 4, dtype=torch.bool)
+    outs = []
+    for d in (draft, packed):
+        c = DraftCache()
+        with torch.no_grad():
+            a = d(ids[:, :n], aux, torch.arange(n)[None], cache=c)  # extend (fc)
+            b = d(ids[:, n : n + 1], h4[:, :1], torch.tensor([[n]]), cache=c)  # chain step
+            c.crop(n)
+            t = d(ids[:, n:], h4, torch.full((1, 4), n), cache=c, attn_mask=mask)  # tree step
+        outs.append((a, b, t))
+    for x, y in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(y, x, atol=1e-5, rtol=1e-5)
+    assert SpecDecoder(llm, draft).draft is not draft  # the engine's default
+    assert SpecDecoder(llm, draft, pack_draft=False).draft is draft
+    assert packed_draft(Llama(model, torch.float32, onednn=False), draft) is draft  # not packed
+    oracle = tiny_draft(model, 128, cls=OracleDraft)  # a subclass may keep its own state
+    assert packed_draft(llm, oracle) is oracle
 
 
 def test_commit_path_compacts_tree_kv(llm):

@@ -134,6 +134,17 @@ class Packed:
         return self.plain.shape
 
 
+def pack_matmul_weight(
+    w: Tensor, mkl_rows: int = 0, mkl_packs: Sequence[int] = ()
+) -> Tensor | Packed:
+    """A weight as `linear` wants it: oneDNN-packed, plus its plain copy when inputs of at
+    most `mkl_rows` rows stay on MKL and an MKL sgemm pack per size in `mkl_packs`."""
+    if not (mkl_rows or mkl_packs):
+        return pack_weight(w)
+    mp = {bs: torch.ops.mkl._mkl_reorder_linear_weight(w, bs) for bs in sorted(mkl_packs)}
+    return Packed(pack_weight(w), w, mkl_rows, mp)
+
+
 def default_mkl_rows(dtype: torch.dtype) -> int:
     """Rows up to which fp32 matmuls stay on MKL (F.linear) rather than packed kernels.
 
@@ -336,10 +347,7 @@ class Llama:
         if self.onednn:
 
             def pack(w: Tensor) -> Tensor | Packed:
-                if not (self.mkl_rows or self.mkl_packs):
-                    return pack_weight(w)
-                mp = {bs: torch.ops.mkl._mkl_reorder_linear_weight(w, bs) for bs in self.mkl_packs}
-                return Packed(pack_weight(w), w, self.mkl_rows, mp)
+                return pack_matmul_weight(w, self.mkl_rows, self.mkl_packs)
 
             for L in self.layers:
                 L.wqkv, L.wo, L.w13, L.w2 = map(pack, (L.wqkv, L.wo, L.w13, L.w2))
