@@ -29,6 +29,9 @@ hides under the stream: the same matmuls take 25.6 ms at 8 rows (85 GFLOP/s) vs 
 (PACK_ROWS 1-128 pick the same AB16b64a kernel), MKL packed sgemm (1.74x) or F.linear (1.9x)
 does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its ratio is similar
 (matmuls alone 1.34x). Two threads on this 2-core shared box measure the scheduler, not the model.
+On a quiet AMD EPYC of a later kind (Zen 5, avx512_bf16), two threads: fp32 k2 0.93, k3 0.95,
+k4 0.88, k8 1.01 (25.4 ms decode; 0.98 / 1.00 / 0.96 / 1.09 in another run), bf16 1.08 / 1.12 /
+1.11 / 1.21: there the fp32 default meets <= 1.15 for every k, bf16 not at k=8.
 
 Since fp32 inputs of 1-3 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
 there), the fp32 ratios divide by that faster one-token decode, and verifies of 4-8 rows run

@@ -23,7 +23,8 @@ with one slice copy per tensor when all rows are at the same length (batch 1 alw
 SDPA gets an additive mask built once per forward: results are bit-identical to the
 per-tensor/index-write forms, with fewer small ops (a third of a decode step is such ops).
 On the all-oneDNN path a k-token verify gives bit for bit what k one-token decode steps give
-(`linear`). RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
+(`linear`) where the CPU's kernels give a row the same bits whatever the row count (not on a
+Zen 5 EPYC: there fp32 SDPA and a bf16 matmul differ in the last bit; tests/test_llama.py). RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
 match HF exactly; length-dependent types (dynamic, longrope) are refused.
 """
 
@@ -237,7 +238,9 @@ def linear(x: Tensor, w: Tensor | Packed, b: Tensor | None = None) -> Tensor:
     are bit-identical at any row count. So on the all-oneDNN path (`mkl_rows` 0: bf16, AMD
     CPUs, `WORKBENCH_MKL_ROWS=0`) a k-token verify computes exactly the logits, hidden states
     and cache entries of k one-token decode steps (tests/test_llama.py), and greedy
-    speculative decoding reproduces plain decoding bit for bit, not only to fp32 rounding.
+    speculative decoding reproduces plain decoding bit for bit, not only to fp32 rounding,
+    where SDPA is row-count invariant too (not on a Zen 5 EPYC, whose fp32 SDPA and bf16
+    1536-wide matmul differ in the last bit with the row count: rounding only there).
     The second row costs ~3% of a decode step; bf16 needs no padding (measured identical).
     """
     if isinstance(w, Packed):
