@@ -24,7 +24,8 @@ SDPA gets an additive mask built once per forward: results are bit-identical to 
 per-tensor/index-write forms, with fewer small ops (a third of a decode step is such ops).
 On the all-oneDNN path a k-token verify gives bit for bit what k one-token decode steps give
 (`linear`) where the CPU's kernels give a row the same bits whatever the row count (not on a
-Zen 5 EPYC: there fp32 SDPA and a bf16 matmul differ in the last bit; tests/test_llama.py). RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
+Zen 5 EPYC: there fp32 SDPA and a bf16 matmul differ in the last bit; tests/test_llama.py).
+RoPE uses the HF module's own inverse frequencies, so default/linear/llama3/yarn scaling
 match HF exactly; length-dependent types (dynamic, longrope) are refused.
 """
 
@@ -348,10 +349,9 @@ class Llama:
                 "MKL; pass mkl_packs=() (or set WORKBENCH_MKL_PACKS=)"
             )
         if self.onednn:
-
-            def pack(w: Tensor) -> Tensor | Packed:
-                return pack_matmul_weight(w, self.mkl_rows, self.mkl_packs)
-
+            pack = functools.partial(
+                pack_matmul_weight, mkl_rows=self.mkl_rows, mkl_packs=self.mkl_packs
+            )
             for L in self.layers:
                 L.wqkv, L.wo, L.w13, L.w2 = map(pack, (L.wqkv, L.wo, L.w13, L.w2))
             self.head = pack(self.lm_head)
