@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import load_draft_for  # noqa: E402
 
-from workbench.engine.spec import SpecDecoder, packed_draft  # noqa: E402
+from workbench.engine.spec import SpecDecoder, check_draft, packed_draft  # noqa: E402
 from workbench.engine.speed import PLAIN, parse_configs, run_all  # noqa: E402
 from workbench.llama import Llama  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> int:
     llm = Llama(target.model, torch.float32)
     draft, name = load_draft_for(target, args.draft, False, torch.float32)
     configs = parse_configs(args.configs)
-    SpecDecoder(llm, draft, configs[0])  # check_draft fills a shared embedding once
+    check_draft(llm, draft)  # fills the embedding from the target where the export has none
     packed = packed_draft(llm, draft)
     if packed is draft:
         sys.exit("this target is not packed here (no oneDNN): nothing to compare")
@@ -121,14 +121,13 @@ def main() -> int:
         f"draft_ms_{r}={fm['draft', r]:.2f} packed_ms_{r}={fm['packed', r]:.2f}"
         for r in sorted({1, topk})
     ]
+
+    def same_as_plain(name: str) -> int:
+        return sum(x == y for x, y in zip(res[name]["outs"], res[PLAIN]["outs"], strict=True))
+
     for c in configs:
         a, b = tok_s[f"{c} packed"], tok_s[f"{c} nn.Linear"]
-        same = sum(
-            x == y for x, y in zip(res[f"{c} packed"]["outs"], res[PLAIN]["outs"], strict=True)
-        )
-        same_b = sum(
-            x == y for x, y in zip(res[f"{c} nn.Linear"]["outs"], res[PLAIN]["outs"], strict=True)
-        )
+        same, same_b = same_as_plain(f"{c} packed"), same_as_plain(f"{c} nn.Linear")
         print(
             f"{str(c):>7}{a:9.1f}{b:11.1f}{a / b:7.3f}{a / tok_s[PLAIN]:10.3f}  {same}/{same_b} of {len(prompts)}"
         )
