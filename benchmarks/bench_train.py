@@ -17,10 +17,19 @@ ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--c
 `--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
 batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
 `epoch_batches` does) go through the trainer's own `collate`, exact-length (`pad_multiple` 1)
-vs padded to multiples of 64 vs padded with `keep_freed_memory`, each in a fresh process
-(glibc's heap setting is process-wide) after the same 16 warm-up steps. tok/s counts real
-tokens, not padding. Last line: `RESULT exact_tok_s=... padded_tok_s=... padded_keep_tok_s=...
-speedup=...` (the last over the first). `--batch 8 --vocab 8192 --seq 1536`: the full preset.
+vs padded to multiples of 64 vs padded with `keep_freed_memory` vs packed rows (`pack_rows`:
+`--pack-rows` rows of `--seq` tokens a step, whole samples end to end, heap kept as the trainer
+does), each in a fresh process (glibc's heap setting is process-wide) after the same 16 warm-up
+steps. tok/s counts real tokens, not padding. Last line: `RESULT exact_tok_s=... padded_tok_s=...
+padded_keep_tok_s=... packed_tok_s=... speedup=... packed_speedup=...` (padded + kept over
+exact, packed over padded + kept). `--batch 8 --vocab 8192 --seq 1536`: the full preset's
+batches.
+
+`--capture DIR` does the same on a real capture's samples (not its targets: the in-vocab flags
+are random, which only changes which rows count, not the work): the trainer's padded batches
+and packed rows, alternating step by step in one process, so a machine whose speed drifts
+slows both alike. Last line: `RESULT capture_padded_tok_s=... capture_packed_tok_s=...
+packed_speedup=...`.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import time
 
 import torch
 
-from workbench.draft.data import collate, epoch_batches
+from workbench.draft.data import collate, collate_packed, epoch_batches, packed_epoch
 from workbench.draft.model import DraftConfig, Eagle3Draft
 from workbench.draft.ttt import TTTModel, keep_freed_memory, unroll_masks
 from workbench.layers import LayerIds
@@ -76,8 +85,11 @@ def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
     return best
 
 
-def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) -> float:
-    """Real tokens/s over `steps` fresh batches of varying length (after `warmup` others)."""
+def varying_lengths(
+    args, pad_multiple: int, steps: int = 32, warmup: int = 16, packed: bool = False
+) -> float:
+    """Real tokens/s over `steps` fresh batches of varying length (after `warmup` others);
+    `packed`: the same samples in packed rows (fewer steps: each holds more samples)."""
     g = torch.Generator().manual_seed(0)
     V, H = args.vocab, 576
     n = (steps + warmup) * args.batch
@@ -92,7 +104,13 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
     ]  # fmt: skip
     argmax = {i: torch.randint(0, V, (m,), generator=g) for i, m in enumerate(lens)}
     t2d = torch.rand(V, generator=g) < 0.9
-    batches = epoch_batches(list(range(n)), lens, args.batch, 0, 0)
+    if packed:
+        batches = packed_epoch(list(range(n)), lens, args.seq, args.pack_rows, 0, 0)
+        per_step = n / len(batches)  # samples a step: warm up and time the same samples' worth
+        warmup, steps = round(warmup * args.batch / per_step), round(steps * args.batch / per_step)
+        batches = batches[: warmup + steps]
+    else:
+        batches = epoch_batches(list(range(n)), lens, args.batch, 0, 0)
     torch.manual_seed(0)
     draft = random_draft(V)
     head_rows = torch.randn(V, H) * 0.02
@@ -102,7 +120,11 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
     for j, gb in enumerate(batches):
         if j == warmup:
             toks, t0 = 0, time.perf_counter()
-        batch = collate(reader, gb, argmax, t2d, args.seq, torch.device("cpu"), pad_multiple)
+        if packed:
+            batch = collate_packed(reader, gb, argmax, t2d, args.seq, torch.device("cpu"))
+            gb = [i for row in gb for i in row]
+        else:
+            batch = collate(reader, gb, argmax, t2d, args.seq, torch.device("cpu"), pad_multiple)
         masks, idx = unroll_masks(batch, args.ttt, args.ttt_sample, all_tokens=True)
         denom = torch.stack([m.sum() for m in masks]).float()
         tl = batch["last_hidden"] @ head_rows.T
@@ -116,31 +138,106 @@ def varying_lengths(args, pad_multiple: int, steps: int = 32, warmup: int = 16) 
     return toks / (time.perf_counter() - t0)
 
 
+def capture_main(args) -> None:
+    """Padded batches vs packed rows of one real capture, alternating step by step in ONE process
+    (heap kept, as the trainer does), so a drifting machine slows both alike."""
+    from workbench.draft.data import open_capture
+
+    assert keep_freed_memory(), "keep_freed_memory needs glibc"
+    reader = open_capture(args.capture, verify=False)
+    lengths = reader.lengths()
+    idx = list(range(len(reader)))
+    g = torch.Generator().manual_seed(0)
+    V = args.vocab
+    # in-vocab flags only pick which rows count: every row is scored, so timing ignores them
+    argmax = {i: torch.randint(0, V, (n,), generator=g) for i, n in enumerate(lengths)}
+    t2d = torch.rand(V, generator=g) < 0.87
+    cpu = torch.device("cpu")
+    plans = {
+        "padded": [
+            (lambda gb=gb: collate(reader, gb, argmax, t2d, args.seq, cpu), len(gb))
+            for gb in epoch_batches(idx, lengths, args.batch, 0, 0)
+        ],
+        "packed": [
+            (lambda rows=rows: collate_packed(reader, rows, argmax, t2d, args.seq, cpu),
+             sum(map(len, rows)))
+            for rows in packed_epoch(idx, lengths, args.seq, args.pack_rows, 0, 0)
+        ],
+    }  # fmt: skip
+    head_rows = torch.randn(V, 576) * 0.02
+    runs = {}
+    for name in plans:
+        torch.manual_seed(0)
+        draft = random_draft(V)
+        opt = torch.optim.AdamW(draft.parameters(), lr=1e-4, fused=True)
+        runs[name] = (TTTModel(draft, args.ttt, 0.8), opt)
+
+    def step(name: str, make) -> int:
+        model, opt = runs[name]
+        batch = make()
+        masks, idx_ = unroll_masks(batch, args.ttt, args.ttt_sample, all_tokens=True)
+        denom = torch.stack([m.sum() for m in masks]).float()
+        tl = batch["last_hidden"] @ head_rows.T
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
+            loss = model(batch, tl, masks, denom, idx=idx_, stats=False)[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.draft.parameters(), 0.5)
+        opt.step()
+        return int(batch["token_mask"].sum())
+
+    warm, n = 8, args.capture_steps
+    toks = {k: 0 for k in plans}
+    secs = {k: 0.0 for k in plans}
+    samples = {k: 0 for k in plans}
+    for j in range(warm + n):
+        for name in ("padded", "packed") if j % 2 else ("packed", "padded"):
+            make, k = plans[name][j % len(plans[name])]
+            t0 = time.perf_counter()
+            got = step(name, make)
+            if j >= warm:
+                secs[name] += time.perf_counter() - t0
+                toks[name] += got
+                samples[name] += k
+    rate = {k: toks[k] / secs[k] for k in plans}
+    print(
+        f"capture {args.capture}: {len(reader)} samples, {sum(lengths)} tokens; {n} steps each "
+        f"after {warm}, alternating; padded (batch {args.batch}, x64): {rate['padded']:.0f} tok/s, "
+        f"{samples['padded'] / n:.2f} samples a step; packed ({args.pack_rows} x {args.seq}): "
+        f"{rate['packed']:.0f} tok/s, {samples['packed'] / n:.2f} samples a step"
+    )
+    print(
+        f"RESULT capture_padded_tok_s={rate['padded']:.1f} capture_packed_tok_s="
+        f"{rate['packed']:.1f} packed_speedup={rate['packed'] / rate['padded']:.3f}"
+    )
+
+
 def lengths_main(args) -> None:
     """Each variant in a fresh process (kernel caches cold alike; the heap setting is global)."""
     if args.child:
-        keep = args.child == "keep"
-        if keep:
+        if args.child in ("keep", "packed"):
             assert keep_freed_memory(), "keep_freed_memory needs glibc"
-        tok_s = varying_lengths(args, 1 if args.child == "exact" else 64)
+        pad = 1 if args.child == "exact" else 64
+        tok_s = varying_lengths(args, pad, packed=args.child == "packed")
         print(json.dumps({"tok_s": tok_s}))
         return
     got = {}
-    for variant in ("exact", "padded", "keep"):
+    for variant in ("exact", "padded", "keep", "packed"):
         child = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--child", variant],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         got[variant] = json.loads(child.stdout.strip().splitlines()[-1])["tok_s"]
-    exact, padded, keep = got["exact"], got["padded"], got["keep"]
+    exact, padded, keep, packed = got["exact"], got["padded"], got["keep"], got["packed"]
     print(
         f"varying lengths, batch {args.batch}, draft vocab {args.vocab}, amp {args.amp}, threads "
         f"{torch.get_num_threads()}: exact lengths {exact:.0f} tok/s, padded to x64 {padded:.0f}, "
-        f"padded + large blocks kept in the heap {keep:.0f}"
+        f"padded + large blocks kept in the heap {keep:.0f}, packed ({args.pack_rows} x "
+        f"{args.seq} a step) {packed:.0f}"
     )
     print(
         f"RESULT exact_tok_s={exact:.1f} padded_tok_s={padded:.1f} padded_keep_tok_s={keep:.1f} "
-        f"speedup={keep / exact:.2f}"
+        f"packed_tok_s={packed:.1f} speedup={keep / exact:.2f} packed_speedup={packed / keep:.2f}"
     )
 
 
@@ -159,11 +256,18 @@ def main() -> None:
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
     ap.add_argument("--lengths", action="store_true",
                     help="fresh batches of varying length: exact vs padded, heap kept or not")  # fmt: skip
-    ap.add_argument("--child", choices=["exact", "padded", "keep"], help=argparse.SUPPRESS)
+    ap.add_argument("--pack-rows", type=int, default=1, help="packed rows a step")
+    ap.add_argument("--capture", default=None,
+                    help="a real capture: its padded batches vs packed rows, alternating")  # fmt: skip
+    ap.add_argument("--capture-steps", type=int, default=60, help="--capture: timed steps each")
+    ap.add_argument("--child", choices=["exact", "padded", "keep", "packed"],
+                    help=argparse.SUPPRESS)  # fmt: skip
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.capture:
+        return capture_main(args)
     if args.lengths:
         return lengths_main(args)
     torch.manual_seed(0)

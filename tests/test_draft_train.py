@@ -297,13 +297,15 @@ def _ddp_worker(rank: int, world: int, port: int, root: str, cfg: TrainConfig) -
     train(cfg, target, CaptureReader(Path(root) / "capture"))
 
 
-def test_two_gloo_processes_match_single_process(env):
+@pytest.mark.parametrize("pack_rows", [0, 2])
+def test_two_gloo_processes_match_single_process(env, pack_rows):
     import torch.multiprocessing as mp
 
     target, reader, root = env
-    single = base_cfg(root, "single", max_steps=4, eval_every=100, ckpt_every=100, threads=None)
+    single = base_cfg(root, f"single{pack_rows}", max_steps=4, eval_every=100, ckpt_every=100,
+                      threads=None, pack_rows=pack_rows)  # fmt: skip
     train(single, target, reader)
-    ddp = replace(single, out=str(root / "ddp2"))
+    ddp = replace(single, out=str(root / f"ddp2-{pack_rows}"))
     mp.spawn(_ddp_worker, args=(2, _free_port(), str(root), ddp), nprocs=2, join=True)
     a = load_draft(single.out).draft.state_dict()
     b = load_draft(ddp.out).draft.state_dict()
@@ -620,3 +622,45 @@ def test_resume_refuses_another_bucketing_and_reads_old_checkpoints_as_bucket_16
     check_resume(old, {**now, "bucket_batches": 16}, "c", "t", defaults)
     with pytest.raises(TrainError, match="bucket_batches: checkpoint 16, now 64"):
         check_resume(old, {**now, "bucket_batches": 64}, "c", "t", defaults)
+
+
+def test_packed_epochs_hold_every_sample_once_in_full_rows():
+    from workbench.draft.data import packed_epoch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.randn(900, generator=g) * 0.6 + 5.48).exp().clamp(16, 1400).long().tolist()
+    idx = list(range(0, 900, 2))
+    steps = packed_epoch(idx, lengths, 1024, 2, 0, 0)
+    rows = [r for st in steps for r in st]
+    assert sorted(i for r in rows for i in r) == idx  # each sample once, none dropped
+    fill = [sum(min(lengths[i], 1024) for i in r) for r in rows]
+    assert max(fill) <= 1024 and sum(fill) / (1024 * len(rows)) > 0.95
+    assert all(len(st) == 2 for st in steps[:-1]) and 2 <= len(steps[-1]) <= 3
+    assert packed_epoch(idx, lengths, 1024, 2, 0, 0) == steps  # a resumed epoch: the same
+    assert packed_epoch(idx, lengths, 1024, 2, 1, 0) != steps  # the next epoch: other rows
+
+
+def test_packed_training_resumes_exactly_and_counts_its_own_epochs(env):
+    """pack_rows: each step is N rows of whole samples; a killed and resumed packed run over
+    several epochs ends with the weights of an uninterrupted one, and its planned steps are
+    the epochs' own step counts."""
+    from workbench.draft.data import packed_epoch
+
+    target, reader, root = env
+    kw = dict(max_steps=None, epochs=2.5, pack_rows=1, ttt_sample=0.5, ckpt_every=2)
+    a = train(base_cfg(root, "pack_full", **kw), target, reader)
+    train_idx, _ = split_indices(len(reader), 0.2, 256, 0, None)
+    lengths = reader.lengths()
+    counts = [len(packed_epoch(train_idx, lengths, 64, 1, e, 0)) for e in range(3)]
+    assert a["steps_planned"] == counts[0] + counts[1] + -(-counts[2] // 2)
+    assert counts[0] < len(train_idx) / 2  # whole samples share rows
+    cfg = base_cfg(root, "pack_kill", **kw)
+    train(replace(cfg, stop_after=counts[0] + 1), target, reader)  # killed in epoch 2
+    b = train(replace(cfg, resume=True), target, reader)
+    assert a["step"] == b["step"] == a["steps_planned"]
+    wa, wb = load_draft(a["out"]).draft.state_dict(), load_draft(b["out"]).draft.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(TrainError, match="pack_rows: checkpoint 1, now 0"):
+        train(replace(cfg, resume=True, pack_rows=0), target, reader)
+    with pytest.raises(TrainError, match="pack_rows must be an integer >= 0"):
+        train(replace(cfg, out=str(root / "pack_bad"), pack_rows=-1), target, reader)

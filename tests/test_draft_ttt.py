@@ -244,3 +244,107 @@ def test_keep_freed_memory_stops_large_blocks_faulting_in_again():
         got[mode] = int(r.stdout.split()[-1])
     assert got["default"] > 10_000  # 16K 4 KB pages faulted in on every allocation
     assert got["keep"] < 1_000, got
+
+
+# ---------------------------------------------------------------- packed rows
+
+
+def tiny_samples(lengths: list[int], seed: int = 0) -> tuple[list[dict], dict, torch.Tensor]:
+    """Capture-like samples over the tiny draft's shapes: (reader, target argmax, t2d)."""
+    g = torch.Generator().manual_seed(seed)
+    reader = [
+        {"input_ids": torch.randint(0, 256, (n,), generator=g),
+         "loss_mask": torch.rand(n, generator=g) < 0.7,
+         "aux_hidden": torch.randn(n, 3 * 64, generator=g),
+         "last_hidden": torch.randn(n, 64, generator=g)}
+        for n in lengths
+    ]  # fmt: skip
+    argmax = {i: torch.randint(0, 256, (n,), generator=g) for i, n in enumerate(lengths)}
+    return reader, argmax, torch.rand(256, generator=g) < 0.8
+
+
+def _unroll(d, batch, tl, K, idx=None, masks=None):
+    masks = masks if masks is not None else step_masks(batch, K, all_tokens=True)
+    denom = torch.stack([m.sum() for m in masks]).double()
+    d.zero_grad()
+    loss, st = TTTModel(d, K, 0.8)(batch, tl, masks, denom, idx=idx)
+    loss.backward()
+    return loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}, masks
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_packed_rows_train_exactly_as_rows_of_their_own(reference):
+    """Samples laid end to end in a row (position ids restarting per sample) give the loss,
+    statistics and gradients of the same samples one per row: no position is scored on
+    another sample's token and no attention crosses a sample (a sample of 1 token too)."""
+    from test_draft_model import tiny_draft
+
+    from workbench.draft.data import collate, collate_packed
+
+    torch.manual_seed(4)
+    d = tiny_draft(dvocab=64).double()
+    lengths = [9, 14, 1, 6, 20, 11]
+    reader, argmax, t2d = tiny_samples(lengths)
+    W = torch.randn(64, 64, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    rows = [[0, 1, 2, 3], [4, 5]]  # 30 and 31 tokens in rows of 32
+    packed = collate_packed(reader, rows, argmax, t2d, 32, cpu, pad_multiple=8)
+    assert packed["input_ids"].shape == (2, 32)
+    assert packed["position_ids"][0].tolist() == [*range(9), *range(14), 0, *range(6), 0, 1]
+    single = collate(reader, list(range(6)), argmax, t2d, 32, cpu, pad_multiple=8)
+    K = 4
+    out = []
+    for b in (single, packed):
+        tl = b["last_hidden"].double() @ W.T
+        model = TTTModel(d, K, 0.8, reference=reference)
+        masks = step_masks(b, K, all_tokens=True)
+        denom = torch.stack([m.sum() for m in masks]).double()
+        d.zero_grad()
+        loss, st = model(b, tl, masks, denom)
+        loss.backward()
+        out.append((loss.detach(), st, {k: p.grad.clone() for k, p in d.named_parameters()}))
+        # the masks keep the same positions: counted per sample, in each layout
+        assert [int(m.sum()) for m in masks] == [
+            sum(max(0, n - 2 - i) for n in lengths) - int((~t2d[torch.cat(
+                [argmax[j][1 + i : max(1 + i, n - 1)] for j, n in enumerate(lengths)]
+            )]).sum()) for i in range(K)
+        ]  # fmt: skip
+    (l0, st0, g0), (l1, st1, g1) = out
+    torch.testing.assert_close(l1, l0, atol=1e-6, rtol=1e-6)  # soft_ce works in fp32
+    torch.testing.assert_close(st1, st0, atol=1e-5, rtol=1e-6)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_a_sampled_unroll_of_packed_rows_equals_the_full_one_at_its_positions():
+    """ttt_sample < 1 on packed rows (the attention in chunks, each starting at its first
+    query's sample): the same loss, statistics and gradients as the full unroll restricted
+    to the sampled positions."""
+    from test_draft_model import tiny_draft
+
+    from workbench.draft.data import collate_packed
+
+    torch.manual_seed(5)
+    d = tiny_draft(dvocab=64).double()
+    lengths = [30, 25, 40, 12, 33, 50, 17, 28]
+    reader, argmax, t2d = tiny_samples(lengths, seed=1)
+    rows = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    b = collate_packed(reader, rows, argmax, t2d, 128, torch.device("cpu"), pad_multiple=8)
+    tl = torch.randn(*b["input_ids"].shape, 64, dtype=torch.float64)
+    K = 4
+    masks = step_masks(b, K, all_tokens=True)
+    idx = sample_positions(masks[1], 0.3)
+    assert idx.shape[1] >= 8  # enough queries for the chunked attention
+    sub = subsample_masks(masks, idx)
+    restricted = [masks[0]]
+    for m in masks[1:]:
+        keep = torch.zeros_like(m)
+        for r in range(m.shape[0]):
+            keep[r, idx[r][idx[r] < m.shape[1]]] = True
+        restricted.append(m & keep)
+    l_full, st_full, g_full, _ = _unroll(d, b, tl, K, masks=restricted)
+    l_sub, st_sub, g_sub, _ = _unroll(d, b, tl, K, idx=idx, masks=sub)
+    torch.testing.assert_close(l_sub, l_full, atol=1e-6, rtol=1e-6)  # soft_ce works in fp32
+    torch.testing.assert_close(st_sub, st_full, atol=1e-5, rtol=1e-6)
+    for k in g_full:
+        torch.testing.assert_close(g_sub[k], g_full[k], atol=1e-6, rtol=1e-5, msg=k)

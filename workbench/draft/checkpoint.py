@@ -36,9 +36,9 @@ TMP_PREFIX = ".tmp-step-"
 # The config keys a resumed run must share with its checkpoint (they shape data and schedule).
 RESUME_KEYS = ("ttt_len", "batch_size", "seed", "max_len", "val_fraction", "val_max_samples",
                "lr", "epochs", "max_steps", "warmup", "min_lr_ratio", "loss_decay",
-               "ttt_sample", "loss_on", "bucket_batches")  # fmt: skip
+               "ttt_sample", "loss_on", "bucket_batches", "pack_rows")  # fmt: skip
 # what a checkpoint that predates a key ran with (not today's default: that may have changed)
-RESUME_PAST = {"bucket_batches": 16}
+RESUME_PAST = {"bucket_batches": 16, "pack_rows": 0}
 
 
 # ---------------------------------------------------------------- RNG

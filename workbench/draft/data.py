@@ -207,6 +207,97 @@ def epoch_batches(
     return [batches[j] for j in perm]
 
 
+def packed_epoch(
+    train_idx: list[int],
+    lengths: list[int],
+    row_len: int,
+    rows_per_step: int,
+    epoch: int,
+    seed: int,
+    window: int = 16,
+) -> list[list[list[int]]]:
+    """Steps for one epoch, each `rows_per_step` rows of whole samples laid end to end
+    (`collate_packed`): every step has the same shape and almost no padding.
+
+    Samples are shuffled (the same order `epoch_batches` draws), then each goes into the first
+    of the last `window` open rows it fits in (a sample longer than `row_len` is truncated to
+    it, as `max_len` does); a row that leaves the window is closed. So rows mix lengths at
+    random and differ from epoch to epoch. A last step of fewer rows joins the step before it
+    (so every step has at least one row per rank, whatever the world size).
+    """
+    g = torch.Generator().manual_seed(seed * 100003 + epoch)
+    order = [train_idx[j] for j in torch.randperm(len(train_idx), generator=g).tolist()]
+    rows: list[list[int]] = []
+    open_rows: list[tuple[list[int], list[int]]] = []  # ([free tokens], members)
+    for i in order:
+        n = min(lengths[i], row_len)
+        for free, members in open_rows:
+            if free[0] >= n:
+                free[0] -= n
+                members.append(i)
+                break
+        else:
+            open_rows.append(([row_len - n], [i]))
+            if len(open_rows) > window:
+                rows.append(open_rows.pop(0)[1])
+    rows += [members for _, members in open_rows]
+    steps = [rows[a : a + rows_per_step] for a in range(0, len(rows), rows_per_step)]
+    if len(steps) > 1 and len(steps[-1]) < rows_per_step:
+        last = steps.pop()
+        steps[-1] += last
+    perm = torch.randperm(len(steps), generator=g).tolist()
+    return [steps[j] for j in perm]
+
+
+def collate_packed(
+    reader: Any,
+    rows: list[list[int]],
+    argmax: dict[int, torch.Tensor],
+    t2d: torch.Tensor,
+    row_len: int,
+    device: torch.device,
+    pad_multiple: int = 64,
+) -> dict[str, torch.Tensor]:
+    """A batch of packed rows: each row holds whole samples end to end, `position_ids` restart
+    at 0 per sample (and per padding tail), and the rows are right-padded to one length, the
+    longest row rounded up to `pad_multiple` (at most `row_len`; `row_len` once rows are full).
+
+    `step_masks` and `TTTModel` read `position_ids`: no position scores a token of another
+    sample and attention stays inside a sample, so a packed row trains exactly as its samples
+    would in rows of their own (tested)."""
+    samples = {i: reader[i] for row in rows for i in row}
+    fill = [sum(min(int(samples[i]["input_ids"].numel()), row_len) for i in row) for row in rows]
+    T = min(row_len, -(-max(fill) // pad_multiple) * pad_multiple)
+    first = next(iter(samples.values()))
+    k_h, H = first["aux_hidden"].shape[-1], first["last_hidden"].shape[-1]
+    B = len(rows)
+    out = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "token_mask": torch.zeros(B, T, dtype=torch.bool),
+        "in_vocab": torch.zeros(B, T, dtype=torch.bool),
+        "aux_hidden": torch.zeros(B, T, k_h),
+        "last_hidden": torch.zeros(B, T, H),
+        "position_ids": torch.zeros(B, T, dtype=torch.long),
+    }
+    for b, row in enumerate(rows):
+        a = 0
+        for i in row:
+            s = samples[i]
+            n = min(row_len - a, s["input_ids"].numel())
+            sl = slice(a, a + n)
+            out["input_ids"][b, sl] = s["input_ids"][:n]
+            out["loss_mask"][b, sl] = s["loss_mask"][:n].bool()
+            out["token_mask"][b, sl] = True
+            out["in_vocab"][b, sl] = t2d[argmax[i][:n].long()]
+            out["aux_hidden"][b, sl] = s["aux_hidden"][:n].float()
+            out["last_hidden"][b, sl] = s["last_hidden"][:n].float()
+            out["position_ids"][b, sl] = torch.arange(n)
+            a += n
+        out["position_ids"][b, a:] = torch.arange(T - a)
+    return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+
+
 def collate(
     reader: Any,
     indices: list[int],

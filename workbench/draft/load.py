@@ -157,7 +157,8 @@ def run_provenance(state: dict, checkpoint: Path | None = None) -> dict[str, Any
     last = {e.get("event"): e for e in metrics}
     keep = ("ttt_len", "ttt_sample", "loss_on", "lr", "batch_size", "epochs", "max_steps",
             "max_len", "seed", "val_fraction", "val_max_samples", "draft_vocab_size",
-            "init_from_target", "init_layer", "warmup", "loss_decay", "time_budget_s")  # fmt: skip
+            "init_from_target", "init_layer", "warmup", "loss_decay", "time_budget_s",
+            "pack_rows")  # fmt: skip
     ev = last.get("eval", {})
     tr = last.get("train", {})
     start = last.get("start", {})

@@ -47,8 +47,10 @@ from workbench.draft.data import (
     TargetHead,
     check_capture,
     collate,
+    collate_packed,
     epoch_batches,
     open_capture,
+    packed_epoch,
     split_indices,
     target_argmax,
 )
@@ -91,6 +93,9 @@ class TrainConfig:
     max_len: int = 2048  # truncate longer samples
     bucket_batches: int = 16  # batches' worth of shuffled samples sorted by length together
     pad_multiple: int = 64  # batch length rounded up to this (CPU kernels are built per shape)
+    # 0: batches of batch_size samples; N: each step is N rows of max_len tokens holding whole
+    # samples end to end (data.packed_epoch: one shape every step, almost no padding)
+    pack_rows: int = 0
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
     val_fraction: float = 0.05
@@ -135,6 +140,10 @@ def check_config(cfg: TrainConfig) -> None:
         v = getattr(cfg, k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise TrainError(f"{k} must be an integer >= 1, got {v!r}")
+    if not isinstance(cfg.pack_rows, int) or isinstance(cfg.pack_rows, bool) or cfg.pack_rows < 0:
+        raise TrainError(
+            f"pack_rows must be an integer >= 0 (0: no packing), got {cfg.pack_rows!r}"
+        )
     for k in ("max_steps", "stop_after", "threads"):
         v = getattr(cfg, k)
         if v is not None and (not isinstance(v, int) or v < 1):
@@ -309,16 +318,17 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         if hasattr(reader, "lengths")
         else [int(reader[i]["input_ids"].numel()) for i in range(len(reader))]
     )
-    if cfg.batch_size < d.world:
+    if (cfg.pack_rows or cfg.batch_size) < d.world:
+        what = "pack_rows" if cfg.pack_rows else "batch_size"
         raise TrainError(
-            f"batch_size {cfg.batch_size} < world size {d.world}: every rank needs samples"
+            f"{what} {cfg.pack_rows or cfg.batch_size} < world size {d.world}: every rank "
+            "needs samples"
         )
-    per_epoch = len(
-        epoch_batches(train_idx, lengths, cfg.batch_size, 0, cfg.seed, cfg.bucket_batches)
-    )
+    plan = EpochPlan(cfg, train_idx, lengths)
+    per_epoch = plan.count(0)
     if per_epoch == 0:
         raise TrainError("no training samples (capture too small for the held-out split?)")
-    total = cfg.max_steps or max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    total = cfg.max_steps or plan.total_steps(cfg.epochs)
 
     # --- model, target head, the in-vocab filter, optimizer
     torch.manual_seed(cfg.seed)
@@ -377,8 +387,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     def checkpoint() -> None:
         if d.main:
             st = {"draft": draft.state_dict(), "optimizer": opt.state_dict(),
-                  "scheduler": sched.state_dict(), "step": step, "epoch": step // per_epoch,
-                  "batch_in_epoch": step % per_epoch, "rng": rng_state(), "metrics": metrics,
+                  "scheduler": sched.state_dict(), "step": step, "epoch": plan.locate(step)[0],
+                  "batch_in_epoch": plan.locate(step)[1], "rng": rng_state(), "metrics": metrics,
                   "config": cfg.to_dict(), "draft_config": dcfg.to_dict(),
                   "vocab": vocab.to_dict(), "capture_hash": chash,
                   "target_fingerprint": target.fingerprint, "world_size": d.world}  # fmt: skip
@@ -398,20 +408,18 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     t0, toks, run_steps = time.perf_counter(), 0.0, 0
     # a resumed run reports its latest held-out figures even when no step is left to run
     last_eval: dict[str, Any] = next((m for m in reversed(metrics) if m["event"] == "eval"), {})
-    batches, batches_epoch = None, -1
     killed = over_budget = False
     while step < total:
-        ep, bi = divmod(step, per_epoch)
-        if ep != batches_epoch:
-            batches = epoch_batches(
-                train_idx, lengths, cfg.batch_size, ep, cfg.seed, cfg.bucket_batches
-            )
-            batches_epoch = ep
-        gb = batches[bi]
-        batch = collate(reader, gb[d.rank :: d.world], argmax, t2d, cfg.max_len, device,
-                        cfg.pad_multiple)  # fmt: skip
+        gb = plan.step(step)
+        mine = gb[d.rank :: d.world]  # samples, or packed rows of samples
+        if cfg.pack_rows:
+            batch = collate_packed(reader, mine, argmax, t2d, cfg.max_len, device,
+                                   cfg.pad_multiple)  # fmt: skip
+            mine = [i for row in mine for i in row]
+        else:
+            batch = collate(reader, mine, argmax, t2d, cfg.max_len, device, cfg.pad_multiple)
         masks, idx = unroll_masks(batch, cfg.ttt_len, cfg.ttt_sample, cfg.loss_on == "all")
-        ntok = torch.tensor([_ntok(gb, lengths, cfg.max_len, d)], device=device)
+        ntok = torch.tensor([_ntok(mine, lengths, cfg.max_len)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
         tl = head.draft_logits(batch["last_hidden"])
         log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total  # only these need stats
@@ -475,9 +483,58 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
             "checkpoint": str(ck) if ck else None, "out": str(out), "world_size": d.world}  # fmt: skip
 
 
-def _ntok(gb: list[int], lengths: list[int], max_len: int, d: Dist) -> float:
+def _ntok(mine: list[int], lengths: list[int], max_len: int) -> float:
     """Tokens this rank trains on this step (for tokens/s after the all-reduce)."""
-    return float(sum(min(lengths[i], max_len) for i in gb[d.rank :: d.world]))
+    return float(sum(min(lengths[i], max_len) for i in mine))
+
+
+class EpochPlan:
+    """Which samples each step trains on: `epoch_batches` (batch_size samples a step, the same
+    count every epoch) or `packed_epoch` (pack_rows rows a step; the count can differ by a step
+    or so between epochs, so a step is located through the epochs' counts). Epochs are built
+    on demand from (seed, epoch) alone, so a resumed run draws exactly the same steps."""
+
+    def __init__(self, cfg: TrainConfig, train_idx: list[int], lengths: list[int]) -> None:
+        self.cfg, self.train_idx, self.lengths = cfg, train_idx, lengths
+        self._epoch: tuple[int, list] = (-1, [])  # the loop needs one epoch at a time
+        self._counts: dict[int, int] = {}
+
+    def epoch(self, ep: int) -> list:
+        if self._epoch[0] != ep:
+            c = self.cfg
+            if c.pack_rows:
+                got = packed_epoch(self.train_idx, self.lengths, c.max_len, c.pack_rows, ep,
+                                   c.seed)  # fmt: skip
+            else:
+                got = epoch_batches(self.train_idx, self.lengths, c.batch_size, ep, c.seed,
+                                    c.bucket_batches)  # fmt: skip
+            self._epoch = (ep, got)
+            self._counts[ep] = len(got)
+        return self._epoch[1]
+
+    def count(self, ep: int) -> int:
+        return self._counts[ep] if ep in self._counts else len(self.epoch(ep))
+
+    def total_steps(self, epochs: float) -> int:
+        if not self.cfg.pack_rows:  # the same count every epoch (as runs before packing)
+            return max(1, int(math.ceil(epochs * self.count(0))))
+        whole = int(epochs)
+        total = sum(self.count(e) for e in range(whole))
+        if epochs > whole:
+            total += int(math.ceil((epochs - whole) * self.count(whole)))
+        return max(1, total)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, index in it) of a global step."""
+        ep = 0
+        while step >= (n := self.count(ep)):
+            step -= n
+            ep += 1
+        return ep, step
+
+    def step(self, step: int) -> list:
+        ep, bi = self.locate(step)
+        return self.epoch(ep)[bi]
 
 
 def evaluate(model, reader, indices, argmax, t2d, head, cfg: TrainConfig, device, amp_ctx, d: Dist):

@@ -6,7 +6,8 @@ the target aux states at t or (step i>0) the draft's own hidden from step i-1, u
 id t+i, and is scored against the target distribution for tok[t+2+i], recomputed from the
 stored pre-norm final residual `last_hidden[t+1+i]`. A position counts when tok[t+2+i] is an
 assistant token (or any token, `loss_on=all`) and the target's full-vocab argmax at t+1+i lies
-in the draft vocab.
+in the draft vocab. In packed rows (`position_ids` in the batch, restarting at 0 per sample),
+t is a row index, the position id is t's within its sample, and t+2+i must lie in t's sample.
 
 Loss: sum_i decay^i * soft-CE_i, each step normalized by its token count over the *global*
 batch. `ttt_sample < 1` unrolls steps >= 1 for a random subset of positions only (each
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.draft.model import TTTKV, Eagle3Draft
+from workbench.draft.model import TTTKV, Eagle3Draft, packed_segments
 from workbench.metrics import simulated_tau_curve
 
 
@@ -43,9 +44,12 @@ def step_masks(
 
     `all_tokens` drops the assistant condition (any real token): the target's distribution
     over user turns is free extra signal, since those positions are computed anyway.
+    Packed rows (`position_ids`, restarting at 0 per sample) also need t+2+i in t's sample:
+    its position id is then exactly 2+i more than t's.
     """
     lm = batch["token_mask"] if all_tokens else batch["loss_mask"]
     inv = batch["in_vocab"]
+    pos = batch.get("position_ids")
     T = lm.shape[1]
     out = []
     for i in range(ttt_len):
@@ -54,6 +58,8 @@ def step_masks(
         m = torch.zeros(lm.shape[0], L, dtype=torch.bool, device=lm.device)
         if L > 1:
             m[:, : L - 1] = lm[:, s + 1 :] & inv[:, s : T - 1]
+            if pos is not None:
+                m[:, : L - 1] &= pos[:, s + 1 :] == pos[:, : L - 1] + (s + 1)
         out.append(m)
     return out
 
@@ -177,14 +183,18 @@ class TTTModel(nn.Module):
         d = self.draft
         ids = batch["input_ids"]
         B, T = ids.shape
-        pos = torch.arange(T, device=ids.device)[None].expand(B, T)
+        pos = torch.arange(T, device=ids.device)[None].expand(B, T)  # row positions
         ref = self.reference
         tprob = tlogits.float().softmax(-1) if ref else None
         tflat = tlogits.reshape(B * T, -1)
         targ = tlogits.argmax(-1) if stats or ref else None
         ids_ext = F.pad(ids, (0, self.ttt_len + 1)) if idx is not None else None
         h = batch["aux_hidden"]
-        kv = TTTKV(reference=ref)
+        if (rope_pos := batch.get("position_ids")) is None:  # one sample per row
+            rope_pos = pos
+            kv = TTTKV(reference=ref)
+        else:  # packed rows: RoPE positions restart per sample, attention stays inside it
+            kv = TTTKV(ref, *packed_segments(rope_pos))
         loss = torch.zeros((), device=ids.device)
         out = torch.zeros(self.ttt_len, 9, device=ids.device)
         prefix = torch.ones(B, T, dtype=torch.bool, device=ids.device)  # steps < i all correct
@@ -197,13 +207,15 @@ class TTTModel(nn.Module):
             m = masks[i]
             if idx is None or i == 0:
                 in_ids = F.pad(ids[:, s:], (0, s))
-                _, h = d(in_ids, h, pos + i, ttt=kv, logits=False)
+                _, h = d(in_ids, h, rope_pos + i, ttt=kv, logits=False)
                 at_all = pos[:, :L] + s
             else:
                 if i == 1:
                     h = h.gather(1, idx[..., None].expand(-1, -1, h.shape[-1]))
                     prefix = prefix.gather(1, idx)
-                _, h = d(ids_ext.gather(1, idx + s), h, idx + i, ttt=kv, ttt_pos=idx, logits=False)
+                    rope_pos = rope_pos.gather(1, idx)
+                _, h = d(ids_ext.gather(1, idx + s), h, rope_pos + i, ttt=kv, ttt_pos=idx,
+                         logits=False)  # fmt: skip
                 at_all = idx + s
             if ref:
                 hs = h[:, :L][m] if idx is None or i == 0 else h[m]
