@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workbench.draft.attention import ttt_attention, ttt_attention_reference
 from workbench.draft.model import (
     SGLANG_KEYS,
     DraftConfig,
@@ -15,8 +16,6 @@ from workbench.draft.model import (
     KVCache,
     apply_rope,
     init_from_target,
-    ttt_attention,
-    ttt_attention_reference,
 )
 from workbench.draft.vocab import (
     DraftVocab,

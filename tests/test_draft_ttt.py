@@ -139,12 +139,12 @@ def test_fast_unroll_equals_the_reference_unroll(sample, monkeypatch):
     assert (idx is None) == (sample == 1.0)
     masks_all = step_masks(batch, K, all_tokens=True) if idx is None else None
     denom = torch.stack([m.sum() for m in masks]).float()
-    import workbench.draft.model as model_mod
+    import workbench.draft.attention as attn_mod
 
     calls = []
-    plain = model_mod.ttt_attention_reference
+    plain = attn_mod.ttt_attention_reference
     monkeypatch.setattr(
-        model_mod, "ttt_attention_reference", lambda *a: calls.append(1) or plain(*a)
+        attn_mod, "ttt_attention_reference", lambda *a: calls.append(1) or plain(*a)
     )
     out = []
     for reference in (False, True):

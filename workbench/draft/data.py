@@ -5,6 +5,7 @@ and the full-vocab argmax, cached), the held-out split, epoch batching and colla
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 from pathlib import Path
@@ -247,6 +248,67 @@ def packed_epoch(
         steps[-1] += last
     perm = torch.randperm(len(steps), generator=g).tolist()
     return [steps[j] for j in perm]
+
+
+class EpochPlan:
+    """Which samples each training step takes: `epoch_batches` (batch_size samples a step, the
+    same count every epoch) or `packed_epoch` (pack_rows rows of row_len tokens a step; the
+    count can differ by a step or so between epochs, so a step is located through the epochs'
+    counts). Epochs are built on demand from (seed, epoch) alone, so a resumed run draws
+    exactly the same steps."""
+
+    def __init__(
+        self,
+        train_idx: list[int],
+        lengths: list[int],
+        seed: int,
+        batch_size: int,
+        bucket: int,
+        pack_rows: int = 0,
+        row_len: int = 0,
+    ) -> None:
+        self.train_idx, self.lengths, self.seed = train_idx, lengths, seed
+        self.batch_size, self.bucket, self.pack_rows, self.row_len = (
+            batch_size, bucket, pack_rows, row_len
+        )  # fmt: skip
+        self._epoch: tuple[int, list] = (-1, [])  # the loop needs one epoch at a time
+        self._counts: dict[int, int] = {}
+
+    def epoch(self, ep: int) -> list:
+        if self._epoch[0] != ep:
+            if self.pack_rows:
+                got = packed_epoch(self.train_idx, self.lengths, self.row_len, self.pack_rows,
+                                   ep, self.seed)  # fmt: skip
+            else:
+                got = epoch_batches(self.train_idx, self.lengths, self.batch_size, ep,
+                                    self.seed, self.bucket)  # fmt: skip
+            self._epoch = (ep, got)
+            self._counts[ep] = len(got)
+        return self._epoch[1]
+
+    def count(self, ep: int) -> int:
+        return self._counts[ep] if ep in self._counts else len(self.epoch(ep))
+
+    def total_steps(self, epochs: float) -> int:
+        if not self.pack_rows:  # the same count every epoch (as runs before packing)
+            return max(1, int(math.ceil(epochs * self.count(0))))
+        whole = int(epochs)
+        total = sum(self.count(e) for e in range(whole))
+        if epochs > whole:
+            total += int(math.ceil((epochs - whole) * self.count(whole)))
+        return max(1, total)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, index in it) of a global step."""
+        ep = 0
+        while step >= (n := self.count(ep)):
+            step -= n
+            ep += 1
+        return ep, step
+
+    def step(self, step: int) -> list:
+        ep, bi = self.locate(step)
+        return self.epoch(ep)[bi]
 
 
 def collate_packed(

@@ -44,13 +44,12 @@ from workbench.draft.checkpoint import (
     set_rng_state,
 )
 from workbench.draft.data import (
+    EpochPlan,
     TargetHead,
     check_capture,
     collate,
     collate_packed,
-    epoch_batches,
     open_capture,
-    packed_epoch,
     split_indices,
     target_argmax,
 )
@@ -324,7 +323,8 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
             f"{what} {cfg.pack_rows or cfg.batch_size} < world size {d.world}: every rank "
             "needs samples"
         )
-    plan = EpochPlan(cfg, train_idx, lengths)
+    plan = EpochPlan(train_idx, lengths, cfg.seed, cfg.batch_size, cfg.bucket_batches,
+                     cfg.pack_rows, cfg.max_len)  # fmt: skip
     per_epoch = plan.count(0)
     if per_epoch == 0:
         raise TrainError("no training samples (capture too small for the held-out split?)")
@@ -486,55 +486,6 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
 def _ntok(mine: list[int], lengths: list[int], max_len: int) -> float:
     """Tokens this rank trains on this step (for tokens/s after the all-reduce)."""
     return float(sum(min(lengths[i], max_len) for i in mine))
-
-
-class EpochPlan:
-    """Which samples each step trains on: `epoch_batches` (batch_size samples a step, the same
-    count every epoch) or `packed_epoch` (pack_rows rows a step; the count can differ by a step
-    or so between epochs, so a step is located through the epochs' counts). Epochs are built
-    on demand from (seed, epoch) alone, so a resumed run draws exactly the same steps."""
-
-    def __init__(self, cfg: TrainConfig, train_idx: list[int], lengths: list[int]) -> None:
-        self.cfg, self.train_idx, self.lengths = cfg, train_idx, lengths
-        self._epoch: tuple[int, list] = (-1, [])  # the loop needs one epoch at a time
-        self._counts: dict[int, int] = {}
-
-    def epoch(self, ep: int) -> list:
-        if self._epoch[0] != ep:
-            c = self.cfg
-            if c.pack_rows:
-                got = packed_epoch(self.train_idx, self.lengths, c.max_len, c.pack_rows, ep,
-                                   c.seed)  # fmt: skip
-            else:
-                got = epoch_batches(self.train_idx, self.lengths, c.batch_size, ep, c.seed,
-                                    c.bucket_batches)  # fmt: skip
-            self._epoch = (ep, got)
-            self._counts[ep] = len(got)
-        return self._epoch[1]
-
-    def count(self, ep: int) -> int:
-        return self._counts[ep] if ep in self._counts else len(self.epoch(ep))
-
-    def total_steps(self, epochs: float) -> int:
-        if not self.cfg.pack_rows:  # the same count every epoch (as runs before packing)
-            return max(1, int(math.ceil(epochs * self.count(0))))
-        whole = int(epochs)
-        total = sum(self.count(e) for e in range(whole))
-        if epochs > whole:
-            total += int(math.ceil((epochs - whole) * self.count(whole)))
-        return max(1, total)
-
-    def locate(self, step: int) -> tuple[int, int]:
-        """(epoch, index in it) of a global step."""
-        ep = 0
-        while step >= (n := self.count(ep)):
-            step -= n
-            ep += 1
-        return ep, step
-
-    def step(self, step: int) -> list:
-        ep, bi = self.locate(step)
-        return self.epoch(ep)[bi]
 
 
 def evaluate(model, reader, indices, argmax, t2d, head, cfg: TrainConfig, device, amp_ctx, d: Dist):

@@ -18,7 +18,7 @@ Speed (benchmarks/bench_train.py): the soft cross-entropy is one chunked autogra
 (`soft_ce`: no [N, V] log-prob, product or upcast tensors kept; chunks stay below glibc's
 32 MB mmap threshold, so no page faults per step), the target rows are gathered by flat index
 (the target softmax runs on the scored rows only), and the attention is
-`model.ttt_attention`. `TTTModel(reference=True)` is the earlier formulation, kept as the
+`attention.ttt_attention`. `TTTModel(reference=True)` is the earlier formulation, kept as the
 baseline the tests and the benchmark compare against.
 """
 
@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.draft.model import TTTKV, Eagle3Draft, packed_segments
+from workbench.draft.attention import TTTKV, packed_segments
+from workbench.draft.model import Eagle3Draft
 from workbench.metrics import simulated_tau_curve
 
 
