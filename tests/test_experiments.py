@@ -21,6 +21,7 @@ from workbench.draft.model import DraftConfig, Eagle3Draft, init_from_target
 from workbench.errors import InUseError
 from workbench.experiments.local import LocalBackend
 from workbench.experiments.steps import (
+    drift_warning,
     evaluate,
     fit_cost_model,
     pick_calibration,
@@ -342,9 +343,15 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
             assert json.loads(lines[0])["num_steps"] == r["config"]["num_steps"]
     plain = by["plain@1"]["result"]
     assert plain["tau"] == 1.0 and plain["verify_forwards"] == plain["decode_tokens"]
-    # an untrained draft accepts (almost) nothing: every speculative config is slower than
-    # plain decoding, measured and predicted
-    assert rep["best"] == "plain" and rep["predicted"] == "plain" and rep["best_gap"] == 0.0
+    # an untrained draft accepts nothing: every speculative config is slower than plain
+    # decoding, measured and predicted, unless a stall of this shared machine slowed the
+    # baseline (once, in a CI run on a 2-core VM: 1/1/2 "won" at tau 1.0); the drift check,
+    # plain decoding again at the end, must then say so
+    assert all(r["result"]["tau"] == 1.0 for r in ok)
+    if rep["best"] == "plain":
+        assert rep["predicted"] == "plain" and rep["best_gap"] == 0.0
+    else:  # the baseline was slow at the start, and the report says so
+        assert rep["drift"][1] > 0.05 and drift_warning(rep) is not None, rep["drift"]
     assert len(rep["table"]) == len(ok) - 1 and -1.0 <= rep["rank_corr"] <= 1.0
     again = rows[-1]["result"]["tok_s"] / by["plain@1"]["result"]["tok_s"] - 1
     assert rep["drift"] == {1: pytest.approx(again)}

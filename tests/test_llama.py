@@ -15,8 +15,14 @@ from workbench.llama import (
     default_mkl_rows,
     linear,
     mkl_packs_available,
+    onednn_packs,
     pack_weight,
     rms_norm,
+)
+
+NO_BF16_PACKS = pytest.mark.skipif(
+    not onednn_packs(torch.bfloat16),
+    reason="oneDNN does not pack bf16 weights on this CPU (no AVX-512 BW/VL/DQ, no AVX-NE-CONVERT)",
 )
 
 ATOL = 2e-5
@@ -100,7 +106,9 @@ def test_rms_norm_equals_hf_formula(dtype):
     torch.testing.assert_close(rms_norm(x, w, 1e-5), ref, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16_PACKS)]
+)
 def test_a_row_gets_the_same_bits_alone_or_among_others(dtype):
     """`linear` on a packed weight: each row of an 8-row call equals that row alone, bit for
     bit (a lone fp32 row runs as two; oneDNN's one-row kernel splits a 1536-long reduction its
@@ -145,7 +153,9 @@ def kernels_row_invariant(llm: Llama, rows: int = 6, S: int = 46) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16_PACKS)]
+)
 def test_verify_gives_exactly_what_decode_steps_give_on_the_embedded_target(embedded_dir, dtype):
     """On SmolLM2 (30 layers, 1536-wide MLP), a k-token verify, chain or tree, computes the
     same logits, aux hidden states and cache entries as one-token decode steps, bit for bit,
@@ -268,3 +278,18 @@ def test_default_packs_are_left_off_when_they_would_crowd_memory(model, monkeypa
         llm = Llama(model, torch.float32, mkl_rows=3)
     assert llm.mkl_packs == () and llm.head.mkl_packs == {}
     assert Llama(model, torch.float32, mkl_rows=3, mkl_packs=(4, 8)).mkl_packs == (4, 8)
+
+
+def test_bf16_runs_unpacked_where_onednn_cannot_pack_it(model, monkeypatch):
+    """A CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT (a Zen 3 EPYC) refuses oneDNN bf16
+    packs: Llama then keeps plain bf16 weights on F.linear, and still decodes like fp32."""
+    import workbench.llama as llama_mod
+
+    monkeypatch.setattr(llama_mod, "onednn_packs", lambda dtype: dtype == torch.float32)
+    bf = Llama(model, torch.bfloat16)
+    assert not bf.onednn and not bf.layers[0].wqkv.is_mkldnn and bf.head.dtype == torch.bfloat16
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    fp = Llama(model, torch.float32)
+    ref = fp(ids, fp.new_cache(2, 16))
+    got = bf(ids, bf.new_cache(2, 16))
+    torch.testing.assert_close(got.logits.float(), ref.logits, atol=0.1, rtol=0.05)

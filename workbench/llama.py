@@ -116,6 +116,23 @@ def onednn_available() -> bool:
             and hasattr(ops, "_reorder_linear_weight"))  # fmt: skip
 
 
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU. It refuses bf16 where the CPU lacks
+    AVX-512 (BW/VL/DQ) and AVX-NE-CONVERT ("bf16 path needs the cpu support ...": a Zen 3
+    EPYC): bf16 then stays on plain F.linear, slow but right (`target.native_bf16` keeps the
+    workbench's own defaults on fp32 there)."""
+    if dtype not in PACKED_DTYPES or not onednn_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_ROWS)
+    except RuntimeError as e:  # the CPU check above; anything else is a real failure
+        if "cpu support" not in str(e):
+            raise
+        return False
+    return True
+
+
 def pack_weight(w: Tensor) -> Tensor:
     """An fp32/bf16 [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS)
@@ -333,7 +350,7 @@ class Llama:
         self.device = dev
         self._cos = self._sin = torch.empty(0)
         # fp32/bf16 on CPU: matmuls on packed weights through oneDNN (see `linear`); default on
-        fits = dev.type == "cpu" and dtype in PACKED_DTYPES and onednn_available()
+        fits = dev.type == "cpu" and onednn_packs(dtype)
         self.onednn = fits if onednn is None else bool(onednn and fits)
         self.head = self.lm_head  # the weight the logits use (packed or `lm_head` itself)
         # inputs of at most mkl_rows rows keep plain F.linear (a second copy of each weight),
