@@ -339,18 +339,22 @@ def load_target(
     `device_map="auto"` spreads a large target over several GPUs through accelerate.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch_dtype = _dtype(dtype)
     check_device(device)
     name, path = resolve_target_dir(spec)
     _read_config(path)
     _weight_files(path)
-    t0 = time.perf_counter()
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "attn_implementation": attn_implementation}
     if device_map:
         kwargs["device_map"] = device_map
     try:
+        # import the architecture's modules before the clock starts: transformers imports them
+        # lazily (4-5 s on 2 cores), and load_seconds says what reading the weights costs
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(path)))]
+        t0 = time.perf_counter()
         with _quiet_loading():  # a sub-second load needs no per-tensor bar in every report
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
