@@ -58,7 +58,7 @@ demo: $(STAMP)
 
 ## The test suite (tiny models + a few real-model smoke tests).
 test: $(STAMP) browser $(SGLANG_STAMP) $(SGLANG_PLUGIN_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 ## Tiny models only: tests/conftest.py refuses a test that uses the real target unless marked slow.
 test-fast: $(STAMP)
