@@ -353,10 +353,11 @@ def load_target(
     try:
         # import the architecture's modules before the clock starts: transformers imports them
         # lazily (4-5 s on 2 cores), and load_seconds says what reading the weights costs
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(path)))]
+        config = AutoConfig.from_pretrained(str(path))
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         t0 = time.perf_counter()
         with _quiet_loading():  # a sub-second load needs no per-tensor bar in every report
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(str(path), config=config, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # a bad folder, not a bug
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
