@@ -32,6 +32,10 @@ does better. bf16 halves the bytes and (avx512_bf16) the compute alike, so its r
 On a quiet AMD EPYC of a later kind (Zen 5, avx512_bf16), two threads: fp32 k2 0.93, k3 0.95,
 k4 0.88, k8 1.01 (25.4 ms decode; 0.98 / 1.00 / 0.96 / 1.09 in another run), bf16 1.08 / 1.12 /
 1.11 / 1.21: there the fp32 default meets <= 1.15 for every k, bf16 not at k=8.
+On a Zen 3 EPYC (AVX2, no AVX-512: fp32 only), two threads: k2-k4 0.98-1.07, k8 1.29-1.36
+(81 ms decode). The packed matmuls alone stream the weights at 7.2-7.7 GB/s for one row, half
+what a plain sum reads there, and run 8 rows at 23 GFLOP/s (1.25x one row); MKL's F.linear and
+torch.mv were no faster at one row and slower at 8, so the limit is the AVX2 few-row kernels.
 
 Since fp32 inputs of 1-3 rows go to MKL on Intel CPUs (`llama.default_mkl_rows`: faster
 there), the fp32 ratios divide by that faster one-token decode, and verifies of 4-8 rows run
