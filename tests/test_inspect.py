@@ -21,7 +21,7 @@ import torch
 from workbench.audit import config_audit, parse_serving, wiring_audit, wirings
 from workbench.data import spread
 from workbench.engine import CycleRecord, SpecParams
-from workbench.findings import ERROR, has_errors
+from workbench.findings import ERROR, WARNING, Finding, has_errors
 from workbench.inspect import (
     EvalResult,
     RequestResult,
@@ -395,3 +395,14 @@ def test_cli_audit_exit_codes(trained, exported):
     assert r.exit_code == 2 and "no capture manifest" in r.output
     r = CliRunner().invoke(app, ["audit", "--draft", str(trained.cap / "nothing-here")])
     assert r.exit_code == 2 and "not a draft" in r.output
+
+
+def test_finding_prints_only_the_sides_it_was_given():
+    assert str(Finding(ERROR, "vocab_size", 49152, 32000)) == (
+        "[error] vocab_size: expected 49152, got 32000"
+    )
+    assert str(Finding(WARNING, "draft import", got="d2t missing")) == (
+        "[warning] draft import: got d2t missing"
+    )
+    assert str(Finding(ERROR, "ids", expected=[1, 2])) == "[error] ids: expected [1, 2]"
+    assert str(Finding(WARNING, "quirk", why="SGLang adds 1")) == "[warning] quirk (SGLang adds 1)"

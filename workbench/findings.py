@@ -25,8 +25,11 @@ class Finding:
 
     def __str__(self) -> str:
         s = f"[{self.severity}] {self.what}"
-        if self.expected is not None or self.got is not None:
-            s += f": expected {self.expected}, got {self.got}"
+        # only the sides that were given: a bare message (got=...) is not "expected None"
+        parts = [f"{k} {v}" for k, v in (("expected", self.expected), ("got", self.got))
+                 if v is not None]  # fmt: skip
+        if parts:
+            s += ": " + ", ".join(parts)
         return s + (f" ({self.why})" if self.why else "")
 
 
