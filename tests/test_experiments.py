@@ -350,14 +350,15 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
     assert all(r["result"]["tau"] == 1.0 for r in ok)
     if rep["best"] == "plain":
         assert rep["predicted"] == "plain" and rep["best_gap"] == 0.0
-    else:  # the baseline was slow at the start, and the report says so
+        assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
+    else:  # the baseline was slow at the start, and the report says so; then a config at
+        # tau 1.0 may measure above plain (a CI run on a 2-core Zen 3 VM)
         assert rep["drift"][1] > 0.05 and drift_warning(rep) is not None, rep["drift"]
     assert len(rep["table"]) == len(ok) - 1 and -1.0 <= rep["rank_corr"] <= 1.0
     again = rows[-1]["result"]["tok_s"] / by["plain@1"]["result"]["tok_s"] - 1
     assert rep["drift"] == {1: pytest.approx(again)}
     t = {x["config"]: x for x in rep["table"]}
     assert t["plain"]["predicted_tok_s"] == pytest.approx(t["plain"]["measured_tok_s"])
-    assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
 
 
 # ---------------------------------------------------------------- all-reduce and NCCL settings
