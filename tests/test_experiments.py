@@ -348,17 +348,52 @@ def test_local_step_sweep_measures_traces_and_predicts(tmp_path):
     # baseline (once, in a CI run on a 2-core VM: 1/1/2 "won" at tau 1.0); the drift check,
     # plain decoding again at the end, must then say so
     assert all(r["result"]["tau"] == 1.0 for r in ok)
-    if rep["best"] == "plain":
-        assert rep["predicted"] == "plain" and rep["best_gap"] == 0.0
+    if rep["best"] == "plain" and rep["predicted"] == "plain":
+        assert rep["best_gap"] == 0.0
         assert all(x["speedup"] < 1.0 for x in rep["table"] if x["config"] != "plain")
     else:  # the baseline was slow at the start, and the report says so; then a config at
-        # tau 1.0 may measure above plain (a CI run on a 2-core Zen 3 VM)
+        # tau 1.0 may measure, or be predicted, above plain (CI runs on a 2-core Zen 3 VM)
         assert rep["drift"][1] > 0.05 and drift_warning(rep) is not None, rep["drift"]
     assert len(rep["table"]) == len(ok) - 1 and -1.0 <= rep["rank_corr"] <= 1.0
     again = rows[-1]["result"]["tok_s"] / by["plain@1"]["result"]["tok_s"] - 1
     assert rep["drift"] == {1: pytest.approx(again)}
     t = {x["config"]: x for x in rep["table"]}
     assert t["plain"]["predicted_tok_s"] == pytest.approx(t["plain"]["measured_tok_s"])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_local_backend_takes_the_cycle_times_from_the_fastest_pass(tmp_path, monkeypatch):
+    """A stall in one pass must not reach the per-cycle times: they, the cycle time and the
+    trace file all come from the fastest pass. (When the times came from the first pass and
+    the cycle from the fastest, a stall made the traced parts outgrow the cycle, the cost
+    model's "other" went negative and it predicted 1/1/2 above plain at tau 1.0.)"""
+    from workbench.engine.spec import SpecDecoder
+
+    llm, draft = _tiny_llm_and_draft()
+    state = {"pass": -1}
+    orig = SpecDecoder.generate
+
+    def generate(self, prompt, n, eos=(), request_id="0", **kw):
+        state["pass"] += request_id == "0"  # each timed pass starts with prompt "0"
+        return orig(self, prompt, n, eos, request_id=request_id, **kw)
+
+    monkeypatch.setattr(SpecDecoder, "generate", generate)
+    draft.register_forward_pre_hook(lambda m, a: time.sleep(0.03) if state["pass"] == 0 else None)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=g).tolist() for n in (9, 23)]
+    backend = LocalBackend(llm, draft, prompts, 12, trace_dir=tmp_path, repeats=2)
+    backend.prefill_seconds()  # timed first, with its own calls for prompt "0"
+    state["pass"] = -1
+    res = backend({"spec": True, "num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3})
+    assert state["pass"] == 1  # two timed passes, the first one stalled
+    # the stalled pass drafted at >= 60 ms a cycle (2 draft forwards x 30 ms); the traced parts
+    # fit in the cycle (up to the prefill estimate that cycle_ms subtracts)
+    assert res["draft_ms"] < 15.0 and res["traced_ms"] < 1.25 * res["cycle_ms"], res
+    recs = [json.loads(x) for x in Path(res["trace"]).read_text().splitlines()]
+    assert len(recs) == res["verify_forwards"]
+    assert res["draft_ms"] == pytest.approx(sum(r["draft_ms"] for r in recs) / len(recs))
+    plain = backend({"spec": False})
+    assert "trace" not in plain and plain["draft_ms"] is None
 
 
 # ---------------------------------------------------------------- all-reduce and NCCL settings

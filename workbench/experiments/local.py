@@ -5,8 +5,10 @@ of every cycle (draft / verify / extend ms). Throughput is decode-only: decode t
 prefill's token excluded) over decode seconds (request seconds minus the prompts' prefill,
 timed once per backend), so the cost model's per-cycle figure and the measured one count
 the same thing. With `repeats > 1` the prompts are decoded that many times and the fastest
-pass counts (a stall on a shared machine only ever slows a pass down); the trace and the
-accept counts come from the first pass (greedy decoding repeats them exactly).
+pass counts (a stall on a shared machine only ever slows a pass down). Every pass is traced,
+and the per-cycle times and the trace file come from that same fastest pass, so a stall in
+another pass cannot make the traced parts outgrow the cycle they belong to; the accept counts
+are the same in every pass (greedy decoding repeats them exactly).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from workbench import metrics
 from workbench.engine.spec import SpecDecoder, SpecParams
 from workbench.engine.trace import TraceWriter
 from workbench.errors import WorkbenchError
+from workbench.fsutil import atomic_write_text
 
 
 @dataclass
@@ -70,14 +73,12 @@ class LocalBackend:
         prefill_s = self.prefill_seconds()
         name = f"{params}".replace("/", "-") if params else "plain"
         path = self.trace_dir / f"{name}.jsonl" if self.trace_dir else None
-        if path is not None and path.exists():
-            path.unlink()  # a rerun of a failed config starts its trace afresh
         dec = SpecDecoder(self.llm, self.draft if spec else None, params)
         dec.generate(self.prompts[0], self.warmup_tokens, self.eos, request_id="warmup")
-        trace = TraceWriter(path)
-        dec.trace = trace if spec else None
-        passes = []
+        passes, traces = [], []
         for _ in range(max(1, self.repeats)):
+            trace = TraceWriter()  # in memory; the fastest pass's records go to `path`
+            dec.trace = trace if spec else None
             accepted, comp, fwd = [], 0, 0
             t0 = time.perf_counter()
             for i, p in enumerate(self.prompts):
@@ -86,11 +87,15 @@ class LocalBackend:
                 comp += g.stats.completion_tokens
                 fwd += g.stats.verify_forwards
             passes.append(time.perf_counter() - t0)
-            dec.trace = None  # later passes are timed only
-        seconds = min(passes)
+            traces.append(trace)
+        fastest = min(range(len(passes)), key=passes.__getitem__)
+        seconds = passes[fastest]
         decode_tokens = comp - len(self.prompts)
         decode_s = max(seconds - prefill_s, 1e-9)
-        recs = trace.records
+        recs = traces[fastest].records
+        if path is not None and spec:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, "".join(r.to_json() + "\n" for r in recs))
 
         def mean(xs: list[float]) -> float | None:
             return statistics.fmean(xs) if xs else None
@@ -119,7 +124,7 @@ class LocalBackend:
         }
         if spec:
             out["acceptance"] = metrics.per_position_acceptance(accepted, params.num_steps)
-        if path is not None:
+        if path is not None and spec:
             out["trace"] = str(path)
         return out
 
