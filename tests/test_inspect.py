@@ -100,6 +100,13 @@ def test_time_breakdown_splits_cycle_time():
     assert sum(tb["share"].values()) == pytest.approx(1.0)
 
 
+def test_time_breakdown_shows_parts_that_outgrow_the_cycle():
+    # draft 8 + verify 6 + extend 1 > total 10: an inconsistent trace shows as negative 'other'
+    recs = [CycleRecord("r", 0, 0, ["0"], 1, 3, 1, 4, [2], 8.0, 6.0, 1.0, 10.0)]
+    tb = time_breakdown(recs)
+    assert tb["other_ms"] == pytest.approx(-5.0) and tb["share"]["other"] == pytest.approx(-0.5)
+
+
 def test_cycle_anatomy_orders_requests_and_counts_hidden_dims():
     # a batched trace (SGLang's plugin): requests join and leave, cycles written out of order
     recs = [

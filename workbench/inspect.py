@@ -235,7 +235,12 @@ def category_table(result: EvalResult) -> list[dict]:
 
 
 def time_breakdown(cycles: Sequence[CycleRecord]) -> dict:
-    """Mean ms per decode cycle: draft steps, draft extend (over accepted tokens), verify, other."""
+    """Mean ms per decode cycle: draft steps, draft extend (over accepted tokens), verify, other.
+
+    `other` is the cycle's remainder and is not clamped: each cycle's total spans its parts, so a
+    negative `other` means the trace is inconsistent (parts timed on another pass than the cycle),
+    and hiding it would hide that bug.
+    """
     n = len(cycles)
     if not n:
         return {"cycles": 0}
@@ -243,7 +248,7 @@ def time_breakdown(cycles: Sequence[CycleRecord]) -> dict:
     e = sum(c.extend_ms for c in cycles) / n
     v = sum(c.verify_ms for c in cycles) / n
     t = sum(c.total_ms for c in cycles) / n
-    o = max(t - d - e - v, 0.0)
+    o = t - d - e - v
     parts = {"draft_ms": d, "extend_ms": e, "verify_ms": v, "other_ms": o}
     return {"cycles": n, **parts, "total_ms": t,
             "share": {k[:-3]: p / t if t else 0.0 for k, p in parts.items()}}  # fmt: skip
