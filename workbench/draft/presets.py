@@ -59,6 +59,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_len=1536,
         # 6 epochs (1,428 steps on the 553K-token capture, 33 min end to end) once shape-stable
         # batches made a step faster: 0.481 / 1.86 held out vs 0.440 / 1.76 at 4 epochs (22 min)
+        # Packed rows stay off: on the Zen 3 EPYC's 551K-token full capture (fp32), 2 rows of
+        # 1536 a step ran 1.17x tok/s (bench_train --capture, alternating) and 983 vs 614 tok/s
+        # in the loop (separate days), but 6 epochs are then 1,044 steps: 0.480 / 1.84 held out
+        # vs 0.502 / 1.92 padded (same split, seed). Equal-wall-time epochs are not measured yet.
         epochs=6,
         warmup=0.03,
         eval_every=200,
