@@ -25,6 +25,12 @@ PROMPTS = [
     "no no no no no no no no no no",
 ]
 MAX_NEW_TOKENS = 16
+GENERIC = [  # prompts of no special form, for the trace plugin's norms and accept counts
+    "Water boils at a lower temperature on a high mountain because",
+    "The three primary colours of light are",
+    "A good way to learn a new language is to",
+]
+TRACE_NEW_TOKENS = 24
 CHAIN = (3, 1, 4)  # steps / topk / draft tokens
 STARTUP_DEADLINE_S = 400.0
 
@@ -37,10 +43,6 @@ def need_server_env() -> Path:
             "`make sglang-env`; run that first"
         )
     return py
-
-
-def server_env_threads() -> None:
-    """Kept for modules that call it: cpu_spec already gives the server one thread."""
 
 
 def export_repeat_draft(target, out: Path) -> Path:
@@ -107,3 +109,25 @@ def cpu_spec(target_dir: Path, draft_dir: Path | None = None) -> sglang.ServeSpe
         # one thread: the test process computes the engine's reference while SGLang starts
         env={"OMP_NUM_THREADS": "1"},
     )
+
+
+def norm_manifest(target, draft_dir: Path, out: Path) -> dict:
+    """A capture of the draft's layers on a few generic conversations: the norm statistics
+    the live wiring check compares a served trace with."""
+    from workbench.capture import CaptureConfig, capture
+    from workbench.serving.wiring_live import served_layer_ids
+
+    topics = ["rivers", "bread", "chess", "rain", "trains", "music", "bees", "glass", "maps"]
+    convs = [
+        [
+            {"role": "user", "content": f"Tell me something about {t}."},
+            {
+                "role": "assistant",
+                "content": f"Here are a few facts about {t}. People have "
+                f"studied {t} for a long time, and there is much to say about how {t} work.",
+            },
+        ]  # fmt: skip
+        for t in topics
+    ]
+    cfg = CaptureConfig(served_layer_ids(draft_dir), dtype="float32", max_length=128)
+    return capture(target, convs, out, cfg, progress=False)

@@ -1,12 +1,19 @@
 """Real SGLang 0.5.23 on this CPU serving the embedded target with an exported EAGLE-3 draft
-(one server start for the module): fp32 greedy tokens identical to the local engine's plain
-and speculative decoding, per-request accept lengths equal to the engine's (chain 3/1/4),
-SGLang's identities, /metrics, /server_info, /flush_cache; the spec → argv checked by
-SGLang's own parser; drafts SGLang would serve wrong refused before launch."""
+and the workbench_trace plugin on (one server start for the module): fp32 greedy tokens
+identical to the local engine's plain and speculative decoding, per-request accept lengths
+equal to the engine's (chain 3/1/4), SGLang's identities, /metrics, /server_info,
+/flush_cache; the plugin's trace: one line per decode cycle, as many as SGLang's
+`spec_verify_calls_total`, per-request accepted counts that add up to each request's
+meta_info, the local engine's schema (one reader), and the live wiring check passing the
+correct export. Without a server: the spec → argv checked by SGLang's own parser; drafts
+SGLang would serve wrong refused before launch."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,16 +21,21 @@ import torch
 from safetensors.torch import load_file, save_file
 from sglang_common import (
     CHAIN,
+    GENERIC,
     MAX_NEW_TOKENS,
     STARTUP_DEADLINE_S,
+    TRACE_NEW_TOKENS,
     cpu_spec,
     engine_reference,
     export_repeat_draft,
     need_server_env,
+    norm_manifest,
 )
 
 from workbench import metrics
-from workbench.serving import client, process, sglang
+from workbench.engine.trace import CycleRecord, read_trace
+from workbench.serving import client, plugin, process, sglang
+from workbench.serving.wiring_live import live_wiring_check, served_layer_ids
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +52,19 @@ def draft_dir(target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def started(target, draft_dir, tmp_path_factory):
-    """The server, and the local engine's reference computed while it starts."""
+    """The server with the trace plugin on (per-aux-layer norms), and what is computed while it
+    starts: the local engine's reference and the norm manifest of the draft's layers."""
     need_server_env()
-    log = tmp_path_factory.mktemp("sglang-eagle") / "server.log"
-    srv = sglang.launch(cpu_spec(target.path, draft_dir), log, wait=False)
+    d = tmp_path_factory.mktemp("sglang-eagle")
+    spec = cpu_spec(target.path, draft_dir)
+    spec.trace_dir, spec.trace_hidden = str(d / "trace"), True
+    srv = sglang.launch(spec, d / "server.log", wait=False)
     try:
         ref = engine_reference(target, draft_dir)
+        manifest = norm_manifest(target, draft_dir, d / "cap")
         process.wait_healthy(srv, STARTUP_DEADLINE_S)
-        print(f"SGLang EAGLE-3 server healthy after {srv.start_s:.1f} s")
-        yield srv, ref
+        print(f"SGLang EAGLE-3 server with the trace plugin healthy after {srv.start_s:.1f} s")
+        yield srv, ref, spec, manifest
     finally:
         srv.stop()
     assert not process.group_members(srv.pgid)
@@ -69,6 +85,27 @@ def answers(server, reference):
     return [
         sglang.generate(server.url, p, MAX_NEW_TOKENS, temperature=0.0) for p in reference.prompts
     ]
+
+
+@pytest.fixture(scope="module")
+def traced(started, answers, target):
+    """After `answers` (the repetitive prompts): generic prompts one at a time, then two at once
+    (batch 2), with the metrics and the trace's length read between the two phases."""
+    srv, _, spec, manifest = started
+    tok = target.tokenizer
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in GENERIC]
+    t0 = time.perf_counter()
+    seq = [sglang.generate(srv.url, p, TRACE_NEW_TOKENS) for p in ids]
+    secs = time.perf_counter() - t0
+    m_seq = client.get_metrics(srv.url)
+    n_seq = len(plugin.read_trace_dir(spec.trace_dir))
+    with ThreadPoolExecutor(2) as ex:
+        par = list(ex.map(lambda p: sglang.generate(srv.url, p, TRACE_NEW_TOKENS), ids[:2]))
+    m_all = client.get_metrics(srv.url)
+    toks = sum(a["meta_info"]["completion_tokens"] for a in seq)
+    print(f"RESULT sglang_trace_plugin_on tok_per_s={toks / secs:.2f} (sequential, CPU)")
+    return dict(spec=spec, manifest=manifest, seq=answers + seq, par=par, m_seq=m_seq,
+                n_seq=n_seq, m_all=m_all)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -108,11 +145,86 @@ def _trim(hist: list[int]) -> list[int]:
     return out
 
 
+def _verify_calls(answers: list[dict]) -> int:
+    return sum(a["meta_info"]["spec_verify_ct"] for a in answers)
+
+
+def _by_request(recs: list[CycleRecord]) -> dict[str, list[tuple[int, int]]]:
+    out = defaultdict(list)  # rid -> [(emitted, verified)] per cycle
+    for r in recs:
+        verified = r.extra.get("verified", r.accepted)
+        for rid, a, v in zip(r.request_ids, r.accepted, verified, strict=True):
+            out[rid].append((a, v))
+    return out
+
+
 @pytest.mark.slow
-def test_metrics_server_info_and_flush_cache(server, answers):
+def test_one_trace_line_per_verify_call(traced):
+    seq_verify = _verify_calls(traced["seq"])
+    assert traced["n_seq"] == traced["m_seq"]["sglang:spec_verify_calls_total"] == seq_verify
+    recs = plugin.read_trace_dir(traced["spec"].trace_dir)
+    rows = sum(r.batch_size for r in recs)
+    assert rows == traced["m_all"]["sglang:spec_verify_calls_total"]
+    assert max(r.batch_size for r in recs) == 2  # the concurrent pair shared cycles
+    assert [r.cycle for r in recs] == list(range(len(recs)))
+
+
+@pytest.mark.slow
+def test_per_request_accepted_counts_agree_with_meta_info(traced):
+    per = _by_request(plugin.read_trace_dir(traced["spec"].trace_dir))
+    answers = traced["seq"] + traced["par"]
+    assert len(per) == len(answers)
+    for ans in answers:
+        m = ans["meta_info"]
+        cyc = per[m["id"]]
+        assert len(cyc) == m["spec_verify_ct"]
+        assert 1 + sum(a for a, _ in cyc) == m["completion_tokens"] == len(ans["output_ids"])
+        hist = [0] * (CHAIN[0] + 1)
+        for _, v in cyc:
+            hist[v - 1] += 1  # accepted counts the bonus; the histogram counts correct drafts
+        want = m["spec_correct_drafts_histogram"]  # SGLang drops trailing zeros
+        assert hist[: len(want)] == want and not any(hist[len(want) :])
+    taus = [a["meta_info"]["spec_accept_length"] for a in answers]
+    assert max(taus) > 1.5 > min(taus)  # varied acceptance, not an all-1.0 comparison
+
+
+@pytest.mark.slow
+def test_trace_is_the_engine_schema_read_by_read_trace(traced, target):
+    files = plugin.trace_files(traced["spec"].trace_dir)
+    assert [f.name for f in files] == ["trace-rank0.jsonl"]
+    recs = read_trace(files[0])
+    H = target.model.config.hidden_size
+    assert len({r.run_id for r in recs}) == 1 and {r.rank for r in recs} == {0}
+    for r in recs:
+        assert (r.num_steps, r.topk, r.num_draft_tokens) == CHAIN
+        assert len(r.accepted) == len(r.request_ids) == r.batch_size
+        assert all(1 <= a <= CHAIN[2] for a in r.accepted)
+        assert r.hidden_in_dims == [3 * H, H, H]
+        assert len(r.aux_norms) == 3 and all(x > 0 for x in r.aux_norms)
+        assert min(r.draft_ms, r.verify_ms, r.extend_ms) > 0
+        assert r.total_ms >= r.draft_ms + r.verify_ms + r.extend_ms
+        assert r.extra["clock"] == "wall"
+    share = sum(r.verify_ms for r in recs) / sum(r.total_ms for r in recs)
+    print(f"verify share of the cycle on CPU: {share:.2f}")
+
+
+@pytest.mark.slow
+def test_live_wiring_check_passes_the_correct_export(traced, draft_dir):
+    recs = plugin.read_trace_dir(traced["spec"].trace_dir)
+    res = live_wiring_check(recs, traced["manifest"], served_layer_ids(draft_dir))
+    for row in res.rows:
+        print(row)
+    print(res.result_line())
+    assert res.ok, res.problems
+    assert all(
+        r.looks_like is not None and abs(r.looks_like - r.captured_layer) < 1 for r in res.rows
+    )
+
+
+@pytest.mark.slow
+def test_metrics_server_info_and_flush_cache(server, traced):
     m = client.get_metrics(server.url)
-    verify = sum(a["meta_info"]["spec_verify_ct"] for a in answers)
-    assert m["sglang:spec_verify_calls_total"] == verify
+    assert m["sglang:spec_verify_calls_total"] == _verify_calls(traced["seq"] + traced["par"])
     # last-value gauges, set at SGLang's decode log points (every 40 batches): present only
     assert "sglang:spec_accept_length" in m and "sglang:spec_num_steps" in m
     info = client.get_server_info(server.url)

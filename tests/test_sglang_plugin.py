@@ -1,227 +1,25 @@
-"""The workbench_trace SGLang plugin on the real SGLang 0.5.23 on this CPU (one server start for
-the module, EAGLE-3 chain 3/1/4, trace with per-aux-layer norms): one trace line per decode
-cycle, as many as SGLang's `spec_verify_calls_total`; per-request accepted counts that add up
-to each request's meta_info; the same schema the local engine writes (one reader); the live
-wiring check passes the correct export. Without a server: the check flags a one-layer shift,
-quirk warnings, the plugin's environment, its import hygiene and its loud failure on a missing
-hook target."""
+"""The workbench_trace SGLang plugin without a server: the live wiring check flags a one-layer
+shift and names the layer, quirk warnings, the plugin's environment, its import hygiene and its
+loud failure on a missing hook target. On the real SGLang: test_serving_sglang.py (the trace
+of the correct export, plugin on) and test_sglang_shifted_export.py (the field report's bug)."""
 
 from __future__ import annotations
 
 import ast
 import json
-import shutil
 import subprocess
-import time
-from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from sglang_common import (
-    CHAIN,
-    PROMPTS,
-    STARTUP_DEADLINE_S,
-    cpu_spec,
-    export_repeat_draft,
-    need_server_env,
-    server_env_threads,
-)
+from sglang_common import need_server_env
 
-from workbench.engine.trace import CycleRecord, read_trace
+from workbench.engine.trace import CycleRecord
 from workbench.errors import WorkbenchError
 from workbench.layers import LayerIds
-from workbench.serving import client, plugin, process, sglang
-from workbench.serving.wiring_live import (
-    live_wiring_check,
-    looks_like,
-    quirk_warnings,
-    served_layer_ids,
-)
+from workbench.serving import plugin, sglang
+from workbench.serving.wiring_live import live_wiring_check, looks_like, quirk_warnings
 
 PLUGIN_SRC = Path(__file__).resolve().parents[1] / "support" / "sglang_plugin"
-GENERIC = [
-    "Water boils at a lower temperature on a high mountain because",
-    "The three primary colours of light are",
-    "A good way to learn a new language is to",
-]
-NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def target():
-    from workbench.target import load_target
-
-    return load_target("smollm2-135m")
-
-
-@pytest.fixture(scope="module")
-def draft_dir(target, tmp_path_factory):
-    return export_repeat_draft(target, tmp_path_factory.mktemp("plugin-draft") / "export")
-
-
-@pytest.fixture(scope="module")
-def manifest(target, draft_dir, tmp_path_factory):
-    """A capture of the draft's layers on a few generic conversations (the norm statistics)."""
-    from workbench.capture import CaptureConfig, capture
-
-    topics = ["rivers", "bread", "chess", "rain", "trains", "music", "bees", "glass", "maps"]
-    convs = [
-        [
-            {"role": "user", "content": f"Tell me something about {t}."},
-            {
-                "role": "assistant",
-                "content": f"Here are a few facts about {t}. People have "
-                f"studied {t} for a long time, and there is much to say about how {t} work.",
-            },
-        ]  # fmt: skip
-        for t in topics
-    ]
-    cfg = CaptureConfig(served_layer_ids(draft_dir), dtype="float32", max_length=128)
-    out = tmp_path_factory.mktemp("plugin-capture") / "cap"
-    return capture(target, convs, out, cfg, progress=False)
-
-
-@pytest.fixture(scope="module")
-def served(target, draft_dir, tmp_path_factory):
-    """The server with the plugin on; sequential requests, then two at once (batch 2)."""
-    need_server_env()
-    server_env_threads()
-    d = tmp_path_factory.mktemp("plugin-serve")
-    spec = cpu_spec(target.path, draft_dir)
-    spec.trace_dir, spec.trace_hidden = str(d / "trace"), True
-    srv = sglang.launch(spec, d / "server.log", deadline_s=STARTUP_DEADLINE_S)
-    print(f"SGLang EAGLE-3 server with the trace plugin healthy after {srv.start_s:.1f} s")
-    try:
-        tok = target.tokenizer
-        ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS + GENERIC]
-        t0 = time.perf_counter()
-        seq = [sglang.generate(srv.url, p, NEW_TOKENS) for p in ids]
-        secs = time.perf_counter() - t0
-        m_seq = client.get_metrics(srv.url)
-        n_seq = len(plugin.read_trace_dir(spec.trace_dir))
-        with ThreadPoolExecutor(2) as ex:
-            par = list(ex.map(lambda p: sglang.generate(srv.url, p, NEW_TOKENS), ids[:2]))
-        m_all = client.get_metrics(srv.url)
-        toks = sum(a["meta_info"]["completion_tokens"] for a in seq)
-        print(f"RESULT sglang_trace_plugin_on tok_per_s={toks / secs:.2f} (sequential, CPU)")
-        yield dict(spec=spec, seq=seq, par=par, m_seq=m_seq, n_seq=n_seq, m_all=m_all)
-    finally:
-        srv.stop()
-    assert not process.group_members(srv.pgid)
-
-
-def _by_request(recs: list[CycleRecord]) -> dict[str, list[tuple[int, int]]]:
-    out = defaultdict(list)  # rid -> [(emitted, verified)] per cycle
-    for r in recs:
-        verified = r.extra.get("verified", r.accepted)
-        for rid, a, v in zip(r.request_ids, r.accepted, verified, strict=True):
-            out[rid].append((a, v))
-    return out
-
-
-@pytest.mark.slow  # a real SGLang server on the real 135M target
-def test_one_trace_line_per_verify_call(served):
-    seq_verify = sum(a["meta_info"]["spec_verify_ct"] for a in served["seq"])
-    assert served["n_seq"] == served["m_seq"]["sglang:spec_verify_calls_total"] == seq_verify
-    recs = plugin.read_trace_dir(served["spec"].trace_dir)
-    rows = sum(r.batch_size for r in recs)
-    assert rows == served["m_all"]["sglang:spec_verify_calls_total"]
-    assert max(r.batch_size for r in recs) == 2  # the concurrent pair shared cycles
-    assert [r.cycle for r in recs] == list(range(len(recs)))
-
-
-@pytest.mark.slow  # a real SGLang server on the real 135M target
-def test_per_request_accepted_counts_agree_with_meta_info(served):
-    per = _by_request(plugin.read_trace_dir(served["spec"].trace_dir))
-    answers = served["seq"] + served["par"]
-    assert len(per) == len(answers)
-    for ans in answers:
-        m = ans["meta_info"]
-        cyc = per[m["id"]]
-        assert len(cyc) == m["spec_verify_ct"]
-        assert 1 + sum(a for a, _ in cyc) == m["completion_tokens"] == len(ans["output_ids"])
-        hist = [0] * (CHAIN[0] + 1)
-        for _, v in cyc:
-            hist[v - 1] += 1  # accepted counts the bonus; the histogram counts correct drafts
-        want = m["spec_correct_drafts_histogram"]  # SGLang drops trailing zeros
-        assert hist[: len(want)] == want and not any(hist[len(want) :])
-    taus = [a["meta_info"]["spec_accept_length"] for a in answers]
-    assert max(taus) > 1.5 > min(taus)  # varied acceptance, not an all-1.0 comparison
-
-
-@pytest.mark.slow  # a real SGLang server on the real 135M target
-def test_trace_is_the_engine_schema_read_by_read_trace(served, target):
-    files = plugin.trace_files(served["spec"].trace_dir)
-    assert [f.name for f in files] == ["trace-rank0.jsonl"]
-    recs = read_trace(files[0])
-    H = target.model.config.hidden_size
-    assert len({r.run_id for r in recs}) == 1 and {r.rank for r in recs} == {0}
-    for r in recs:
-        assert (r.num_steps, r.topk, r.num_draft_tokens) == CHAIN
-        assert len(r.accepted) == len(r.request_ids) == r.batch_size
-        assert all(1 <= a <= CHAIN[2] for a in r.accepted)
-        assert r.hidden_in_dims == [3 * H, H, H]
-        assert len(r.aux_norms) == 3 and all(x > 0 for x in r.aux_norms)
-        assert min(r.draft_ms, r.verify_ms, r.extend_ms) > 0
-        assert r.total_ms >= r.draft_ms + r.verify_ms + r.extend_ms
-        assert r.extra["clock"] == "wall"
-    share = sum(r.verify_ms for r in recs) / sum(r.total_ms for r in recs)
-    print(f"verify share of the cycle on CPU: {share:.2f}")
-
-
-@pytest.mark.slow  # a real SGLang server on the real 135M target
-def test_live_wiring_check_passes_the_correct_export(served, manifest, draft_dir):
-    recs = plugin.read_trace_dir(served["spec"].trace_dir)
-    res = live_wiring_check(recs, manifest, served_layer_ids(draft_dir))
-    for row in res.rows:
-        print(row)
-    print(res.result_line())
-    assert res.ok, res.problems
-    assert all(
-        r.looks_like is not None and abs(r.looks_like - r.captured_layer) < 1 for r in res.rows
-    )
-
-
-@pytest.fixture(scope="module")
-def shifted_trace(target, draft_dir, tmp_path_factory):
-    """A second server: the same export with eagle_aux_hidden_state_layer_ids shifted by one in
-    config.json (the field report's hand edit)."""
-    need_server_env()
-    server_env_threads()
-    d = tmp_path_factory.mktemp("plugin-shifted")
-    shifted = d / "export"
-    shutil.copytree(draft_dir, shifted)
-    cfg = json.loads((shifted / "config.json").read_text())
-    ec = cfg["eagle_config"]
-    ec["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ec["eagle_aux_hidden_state_layer_ids"]]
-    (shifted / "config.json").write_text(json.dumps(cfg))
-    spec = cpu_spec(target.path, shifted)
-    spec.trace_dir, spec.trace_hidden = str(d / "trace"), True
-    # the export's provenance (workbench.json) still names the trained ids: refused before launch
-    with pytest.raises(sglang.ServeSpecError, match="off-by-one"):
-        sglang.launch(spec, d / "refused.log")
-    (shifted / "workbench.json").unlink()  # a draft from elsewhere: its config is all there is
-    srv = sglang.launch(spec, d / "server.log", deadline_s=STARTUP_DEADLINE_S)
-    try:
-        tok = target.tokenizer
-        for p in PROMPTS + GENERIC:
-            sglang.generate(srv.url, tok(p, add_special_tokens=False)["input_ids"], NEW_TOKENS)
-    finally:
-        srv.stop()
-    return plugin.read_trace_dir(spec.trace_dir), served_layer_ids(shifted)
-
-
-@pytest.mark.slow  # a real SGLang server on the real 135M target
-def test_live_wiring_check_flags_the_shifted_export(shifted_trace, manifest):
-    recs, served = shifted_trace
-    assert live_wiring_check(recs, manifest).problems  # the norms alone flag it
-    res = live_wiring_check(recs, manifest, served)
-    for row in res.rows:
-        print(row)
-    print(res.result_line(), *res.problems, sep="\n")
-    assert any(r.flagged and r.looks_like > r.captured_layer for r in res.rows)
-    assert res.problems[-1].startswith("the draft's config names layers [2, 15, 27]")
 
 
 # ---------------------------------------------------------------- without a server
