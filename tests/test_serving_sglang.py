@@ -104,8 +104,9 @@ def traced(started, answers, target):
     m_all = client.get_metrics(srv.url)
     toks = sum(a["meta_info"]["completion_tokens"] for a in seq)
     print(f"RESULT sglang_trace_plugin_on tok_per_s={toks / secs:.2f} (sequential, CPU)")
-    return dict(spec=spec, manifest=manifest, seq=answers + seq, par=par, m_seq=m_seq,
-                n_seq=n_seq, m_all=m_all)  # fmt: skip
+    recs = plugin.read_trace_dir(spec.trace_dir)  # read once: every request has been answered
+    return dict(spec=spec, manifest=manifest, recs=recs, seq=answers + seq, par=par,
+                m_seq=m_seq, n_seq=n_seq, m_all=m_all)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -162,7 +163,7 @@ def _by_request(recs: list[CycleRecord]) -> dict[str, list[tuple[int, int]]]:
 def test_one_trace_line_per_verify_call(traced):
     seq_verify = _verify_calls(traced["seq"])
     assert traced["n_seq"] == traced["m_seq"]["sglang:spec_verify_calls_total"] == seq_verify
-    recs = plugin.read_trace_dir(traced["spec"].trace_dir)
+    recs = traced["recs"]
     rows = sum(r.batch_size for r in recs)
     assert rows == traced["m_all"]["sglang:spec_verify_calls_total"]
     assert max(r.batch_size for r in recs) == 2  # the concurrent pair shared cycles
@@ -171,7 +172,7 @@ def test_one_trace_line_per_verify_call(traced):
 
 @pytest.mark.slow
 def test_per_request_accepted_counts_agree_with_meta_info(traced):
-    per = _by_request(plugin.read_trace_dir(traced["spec"].trace_dir))
+    per = _by_request(traced["recs"])
     answers = traced["seq"] + traced["par"]
     assert len(per) == len(answers)
     for ans in answers:
@@ -210,7 +211,7 @@ def test_trace_is_the_engine_schema_read_by_read_trace(traced, target):
 
 @pytest.mark.slow
 def test_live_wiring_check_passes_the_correct_export(traced, draft_dir):
-    recs = plugin.read_trace_dir(traced["spec"].trace_dir)
+    recs = traced["recs"]
     res = live_wiring_check(recs, traced["manifest"], served_layer_ids(draft_dir))
     for row in res.rows:
         print(row)
