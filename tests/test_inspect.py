@@ -119,6 +119,8 @@ def test_cycle_anatomy_orders_requests_and_counts_hidden_dims():
     assert an["hidden_in_dims"] == [{"dims": [192, 64, 64], "cycles": 2},
                                     {"dims": [64, 64, 64], "cycles": 1}]  # fmt: skip
     assert an["time"]["cycles"] == 3 and an["time"]["share"]["verify"] == pytest.approx(57 / 63)
+    mine = cycle_anatomy(recs, request_ids={"b"})  # a load's own requests: "a" shared batches
+    assert mine["accepted"] == {"b": [(1, 1), (2, 3)]} and mine["time"] == an["time"]
     bad = CycleRecord("r", 0, 3, ["a", "b"], 2, 3, 1, 4, [1], 1.0, 1.0, 1.0, 3.0)
     with pytest.raises(ValueError):  # a record whose counts do not match its requests
         cycle_anatomy([bad])

@@ -10,6 +10,7 @@ SGLang would serve wrong refused before launch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -64,7 +65,7 @@ def started(target, draft_dir, tmp_path_factory):
         manifest = norm_manifest(target, draft_dir, d / "cap")
         process.wait_healthy(srv, STARTUP_DEADLINE_S)
         print(f"SGLang EAGLE-3 server with the trace plugin healthy after {srv.start_s:.1f} s")
-        yield srv, ref, spec, manifest
+        yield srv, ref, spec, manifest, d / "cap"
     finally:
         srv.stop()
     assert not process.group_members(srv.pgid)
@@ -91,7 +92,7 @@ def answers(server, reference):
 def traced(started, answers, target):
     """After `answers` (the repetitive prompts): generic prompts one at a time, then two at once
     (batch 2), with the metrics and the trace's length read between the two phases."""
-    srv, _, spec, manifest = started
+    srv, _, spec, manifest, _ = started
     tok = target.tokenizer
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in GENERIC]
     t0 = time.perf_counter()
@@ -236,6 +237,40 @@ def test_metrics_server_info_and_flush_cache(server, traced):
 
 
 @pytest.mark.slow
+def test_notebook_04_attached_reads_its_own_cycles_from_the_servers_trace(
+    started, traced, target, draft_dir, tmp_path, monkeypatch
+):
+    """Notebook 04 attached by URL to this server (one you already run), with its trace folder:
+    the anatomy and the live wiring check come from this load's cycles only. It runs after the
+    tests that count every request this server served (`traced`, the /metrics test above)."""
+    import papermill as pm
+    from test_notebook_serve import NB, check_anatomy
+
+    srv, _, spec, _, cap = started
+    before = len(traced["recs"])
+    for k, v in {"WORKBENCH_RUN_DIR": str(tmp_path), "WORKBENCH_NOTEBOOK": "04",
+                 "OMP_NUM_THREADS": "1"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    pm.execute_notebook(
+        str(NB), str(tmp_path / "04.ipynb"), kernel_name="python3", progress_bar=False,
+        cwd=str(tmp_path),
+        parameters={"backend": "sglang", "url": srv.url, "trace_dir": spec.trace_dir,
+                    "target": str(target.path), "draft": str(draft_dir), "n_prompts": 3,
+                    "max_new_tokens": 16, "concurrency": 2, "spec_config": "3/1/4",
+                    "capture_dir": str(cap)},
+    )  # fmt: skip
+    rec = json.loads((tmp_path / "figures.json").read_text())["04"]
+    print({k: v for k, v in rec.items() if k.startswith("serve_")})
+    assert rec["serve_status"] == "complete" and rec["serve_identities_ok"] is True
+    assert rec["serve_tok_s_plain"] is None  # attached without plain_url: no plain server
+    cycles = check_anatomy(tmp_path, rec, Path(spec.trace_dir))
+    assert len(plugin.read_trace_dir(spec.trace_dir)) == before + len(cycles)  # others left out
+    H = target.hidden_size
+    assert all(c["hidden_in_dims"] == [3 * H, H, H] for c in cycles)
+    assert rec["serve_live_wiring_ok"] is True
+
+
+@pytest.mark.slow
 def test_sglang_parser_accepts_a_tp8_command_and_names_its_rejections(tmp_path):
     need_server_env()
     tp8 = sglang.ServeSpec(
@@ -316,6 +351,21 @@ def test_cpu_command_and_environment(tmp_path):
     assert not Path(tp2["SGLANG_NCCL_SO_PATH"]).exists()  # no PyNccl on the cpu device
     gpu = sglang.server_env(sglang.ServeSpec(target="/m", tp_size=8), base={})
     assert "SGLANG_USE_CPU_ENGINE" not in gpu and "SGLANG_NCCL_SO_PATH" not in gpu
+
+
+def test_a_launch_from_a_notebook_serves_the_spec_these_tests_start(tmp_path):
+    """`session.open_server` (notebook 04 and the sweeps launching SGLang) builds its spec from
+    a LocalConfig: the spec this module's server runs, but for the test's one-thread setting."""
+    from workbench.serving.local import LocalConfig
+    from workbench.serving.session import sglang_spec
+
+    t, d = tmp_path / "t", tmp_path / "d"
+    cfg = LocalConfig(model_path=str(t), draft=str(d), num_steps=CHAIN[0], eagle_topk=CHAIN[1],
+                      num_draft_tokens=CHAIN[2], dtype="float32")  # fmt: skip
+    assert sglang_spec(cfg, device="cpu") == dataclasses.replace(cpu_spec(t, d), env={})
+    plain = sglang_spec(LocalConfig(model_path=str(t), dtype="float32"), device="cpu")
+    want = dataclasses.replace(cpu_spec(t), env={})  # its algorithm unset: no draft to run
+    assert sglang.command(plain, python="py") == sglang.command(want, python="py")
 
 
 def _copy_draft(src, dst, edit_config=None, edit_weights=None):

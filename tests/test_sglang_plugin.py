@@ -98,6 +98,21 @@ def test_trace_env_adds_the_plugin_to_sglangs_allow_list(tmp_path):
         plugin.read_trace_dir(tmp_path)
 
 
+def test_read_trace_dir_keeps_the_cycles_of_the_requests_asked_for(tmp_path):
+    """An attached server's trace holds every request it served: a load reads its own cycles
+    (shared batches whole), and a trace without any of them is named, not read as empty."""
+    from workbench.engine.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "trace-rank0.jsonl")
+    for i, rids in enumerate([["old"], ["old", "a"], ["a", "b"], ["b"], ["later"]]):
+        w.write(CycleRecord("r", 0, i, rids, len(rids), 3, 1, 4, [1] * len(rids),
+                            1.0, 2.0, 0.5, 4.0))  # fmt: skip
+    assert len(plugin.read_trace_dir(tmp_path)) == 5
+    assert [r.cycle for r in plugin.read_trace_dir(tmp_path, request_ids=["a", "b"])] == [1, 2, 3]
+    with pytest.raises(WorkbenchError, match="none of the 1 requests"):
+        plugin.read_trace_dir(tmp_path, request_ids={"elsewhere"})
+
+
 def test_plugin_imports_nothing_from_the_workbench():
     """It runs in the server environment (another torch): only stdlib, torch and sglang."""
     allowed = {"__future__", "atexit", "json", "os", "pkgutil", "time", "uuid", "collections",

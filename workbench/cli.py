@@ -445,13 +445,17 @@ def serve(
     dtype: str = typer.Option("float32"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(0, help="0 picks a free port"),
-    trace: str = typer.Option("", help="local: write the per-cycle trace (JSON lines) here"),
+    trace_dir: str = typer.Option(
+        "", help="write the per-cycle trace (trace-rank<R>.jsonl) here: notebook 04's trace_dir"
+    ),
+    trace_hidden: bool = typer.Option(False, help="also trace per-aux-layer norms (wiring check)"),
     log: str = typer.Option("", help="server log (default reports/serve/<backend>-<port>.log)"),
     deadline: float = typer.Option(600.0, help="seconds to wait for /health"),
 ) -> None:
     """Launch a server (or attach with --url), print its URL and exact argv, serve until Ctrl-C."""
     import shlex
     import time
+    from dataclasses import replace
     from pathlib import Path
 
     from workbench.errors import InUseError
@@ -472,19 +476,19 @@ def serve(
 
     spec = [v or None for v in (num_steps, eagle_topk, num_draft_tokens)]
     cfg = LocalConfig(model_path=target, draft=draft, num_steps=spec[0], eagle_topk=spec[1],
-                      num_draft_tokens=spec[2], dtype=dtype, trace_path=trace or None)  # fmt: skip
+                      num_draft_tokens=spec[2], dtype=dtype)  # fmt: skip
     resolve_spec(cfg)  # bad settings fail here, not in the child's log
     if port and process.port_in_use(host, port):
         raise InUseError(
             f"port {port} on {host} is in use; pick another --port or 0 for a free one"
         )
     if backend == "sglang":
-        from dataclasses import replace
-
         from workbench.serving import sglang
         from workbench.serving.session import sglang_spec
 
         ss = replace(sglang_spec(cfg, tp_size), host=host, port=port or process.free_port(host))
+        if trace_dir:  # the workbench_trace plugin (installed by `make sglang-env`)
+            ss = replace(ss, trace_dir=trace_dir, trace_hidden=trace_hidden)
         log_path = Path(log or time.strftime("reports/serve/sglang-%Y%m%d-%H%M%S.log"))
         typer.echo("argv: " + shlex.join(sglang.command(ss)))
         server = sglang.launch(ss, log_path, deadline_s=deadline)
@@ -493,6 +497,9 @@ def serve(
     if tp_size != 1:
         _fail("the local backend runs in one process (--tp-size 1); use --backend sglang for "
               "tensor parallelism")  # fmt: skip
+    if trace_dir:  # the same file layout as SGLang's plugin: rank 0 of one
+        cfg = replace(cfg, trace_path=str(Path(trace_dir) / "trace-rank0.jsonl"),
+                      trace_hidden=trace_hidden)  # fmt: skip
     port = port or process.free_port(host)
     argv = cfg.argv(host, port)
     log_path = Path(log or f"reports/serve/local-{port}.log")

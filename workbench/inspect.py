@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,18 +254,24 @@ def time_breakdown(cycles: Sequence[CycleRecord]) -> dict:
             "share": {k[:-3]: p / t if t else 0.0 for k, p in parts.items()}}  # fmt: skip
 
 
-def cycle_anatomy(cycles: Sequence[CycleRecord]) -> dict:
+def cycle_anatomy(
+    cycles: Sequence[CycleRecord], request_ids: Collection[str] | None = None
+) -> dict:
     """One trace's cycle views (the engine's or the SGLang plugin's: same schema).
 
     `time`: `time_breakdown` (the share of draft / verify / extend per cycle); `accepted`:
     request id → [(cycle, tokens emitted that cycle, bonus included)] in cycle order, the
-    accept length over time SGLang's counters average away; `hidden_in_dims`: each distinct
-    list of widths fed to the draft steps ([k*H, H, ...] when wired right) with its cycle count.
+    accept length over time SGLang's counters average away (only `request_ids` when given:
+    a load's own requests, not the others that shared its batches); `hidden_in_dims`: each
+    distinct list of widths fed to the draft steps ([k*H, H, ...] when wired right) with its
+    cycle count.
     """
+    want = None if request_ids is None else set(request_ids)
     accepted: dict[str, list[tuple[int, int]]] = {}
     for c in sorted(cycles, key=lambda c: (c.rank, c.cycle)):
         for rid, a in zip(c.request_ids, c.accepted, strict=True):
-            accepted.setdefault(rid, []).append((c.cycle, a))
+            if want is None or rid in want:
+                accepted.setdefault(rid, []).append((c.cycle, a))
     dims = Counter(tuple(c.hidden_in_dims) for c in cycles if c.hidden_in_dims)
     return {"time": time_breakdown(cycles), "accepted": accepted,
             "hidden_in_dims": [{"dims": list(d), "cycles": n} for d, n in dims.most_common()]}  # fmt: skip

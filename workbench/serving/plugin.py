@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Collection
 from pathlib import Path
 
 from workbench.engine.trace import CycleRecord, read_trace
@@ -43,8 +44,16 @@ def trace_files(trace_dir: str | os.PathLike) -> list[Path]:
     return sorted(Path(trace_dir).glob("trace-rank*.jsonl"))
 
 
-def read_trace_dir(trace_dir: str | os.PathLike, rank: int | None = 0) -> list[CycleRecord]:
-    """The plugin's records for one rank (None: every rank, rank by rank), in cycle order."""
+def read_trace_dir(
+    trace_dir: str | os.PathLike,
+    rank: int | None = 0,
+    request_ids: Collection[str] | None = None,
+) -> list[CycleRecord]:
+    """The plugin's records for one rank (None: every rank, rank by rank), in cycle order.
+
+    `request_ids`: only the cycles that served one of these requests (a load's own, read from a
+    server that also served others: an attached server's trace holds its whole life). A batched
+    cycle shared with other requests is kept whole, since its time is the whole batch's."""
     files = trace_files(trace_dir)
     if rank is not None:
         files = [f for f in files if f.name == f"trace-rank{rank}.jsonl"]
@@ -55,4 +64,15 @@ def read_trace_dir(trace_dir: str | os.PathLike, rank: int | None = 0) -> list[C
             f"server environment (`make sglang-env`)? A server that has served no EAGLE decode "
             f"cycle writes no file either"
         )
-    return [r for f in files for r in read_trace(f)]
+    recs = [r for f in files for r in read_trace(f)]
+    if request_ids is None:
+        return recs
+    want = set(request_ids)
+    mine = [r for r in recs if want.intersection(r.request_ids)]
+    if not mine:
+        raise WorkbenchError(
+            f"the trace in {trace_dir} has {len(recs)} cycles but none of the {len(want)} "
+            f"requests asked for (e.g. {sorted(want)[:2]}): is it the trace folder of the server "
+            f"that answered them (`workbench serve --trace-dir`)?"
+        )
+    return mine
