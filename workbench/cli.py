@@ -283,12 +283,10 @@ def pipeline(
     from workbench.pipeline import stages
     from workbench.report import check_html_in_browser, find_chromium, run_stages
 
-    results = run_stages(
-        stages(profile, target, experiments), reports_dir, force=force, progress_bar=True
-    )
-    typer.echo(
-        f"run {results[0].run_id}: " + ", ".join(f"{r.notebook} {r.status}" for r in results)
-    )
+    todo = stages(profile, target, experiments)
+    results = run_stages(todo, reports_dir, force=force, progress_bar=True)
+    done = ", ".join(f"{r.notebook} {r.status}" for r in results)
+    typer.echo(f"run {results[0].run_id}: {done}")
     figures = {k: v for r in results for k, v in r.figures.items()}
     if figures:
         typer.echo("key figures: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
@@ -445,9 +443,7 @@ def serve(
     dtype: str = typer.Option("float32"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(0, help="0 picks a free port"),
-    trace_dir: str = typer.Option(
-        "", help="write the per-cycle trace (trace-rank<R>.jsonl) here: notebook 04's trace_dir"
-    ),
+    trace_dir: str = typer.Option("", help="write trace-rank<R>.jsonl here (notebook 04's)"),
     trace_hidden: bool = typer.Option(False, help="also trace per-aux-layer norms (wiring check)"),
     log: str = typer.Option("", help="server log (default reports/serve/<backend>-<port>.log)"),
     deadline: float = typer.Option(600.0, help="seconds to wait for /health"),
@@ -473,22 +469,21 @@ def serve(
         typer.echo(", ".join(f"{k}={info.get(k)}" for k in keys if k in info))
         return
     from workbench.serving.local import LocalConfig, resolve_spec
+    from workbench.serving.session import traced
 
     spec = [v or None for v in (num_steps, eagle_topk, num_draft_tokens)]
     cfg = LocalConfig(model_path=target, draft=draft, num_steps=spec[0], eagle_topk=spec[1],
                       num_draft_tokens=spec[2], dtype=dtype)  # fmt: skip
     resolve_spec(cfg)  # bad settings fail here, not in the child's log
     if port and process.port_in_use(host, port):
-        raise InUseError(
-            f"port {port} on {host} is in use; pick another --port or 0 for a free one"
-        )
+        raise InUseError(f"port {port} on {host} is in use; pick another --port or 0 for a "
+                         "free one")  # fmt: skip
     if backend == "sglang":
         from workbench.serving import sglang
         from workbench.serving.session import sglang_spec
 
         ss = replace(sglang_spec(cfg, tp_size), host=host, port=port or process.free_port(host))
-        if trace_dir:  # the workbench_trace plugin (installed by `make sglang-env`)
-            ss = replace(ss, trace_dir=trace_dir, trace_hidden=trace_hidden)
+        ss = traced(ss, trace_dir, trace_hidden)  # the workbench_trace plugin (make sglang-env)
         log_path = Path(log or time.strftime("reports/serve/sglang-%Y%m%d-%H%M%S.log"))
         typer.echo("argv: " + shlex.join(sglang.command(ss)))
         server = sglang.launch(ss, log_path, deadline_s=deadline)
@@ -497,9 +492,7 @@ def serve(
     if tp_size != 1:
         _fail("the local backend runs in one process (--tp-size 1); use --backend sglang for "
               "tensor parallelism")  # fmt: skip
-    if trace_dir:  # the same file layout as SGLang's plugin: rank 0 of one
-        cfg = replace(cfg, trace_path=str(Path(trace_dir) / "trace-rank0.jsonl"),
-                      trace_hidden=trace_hidden)  # fmt: skip
+    cfg = traced(cfg, trace_dir, trace_hidden)
     port = port or process.free_port(host)
     argv = cfg.argv(host, port)
     log_path = Path(log or f"reports/serve/local-{port}.log")

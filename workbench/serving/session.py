@@ -52,6 +52,18 @@ def sglang_spec(cfg: LocalConfig, tp_size: int = 1, device: str = "auto"):
     )
 
 
+def traced(cfg, trace_dir: str | os.PathLike | None, hidden: bool = False):
+    """`cfg` (a LocalConfig or an SGLang ServeSpec) writing its per-cycle trace into `trace_dir`
+    as `trace-rank{R}.jsonl` (the local engine as rank 0): one layout, one reader
+    (`serving.plugin.read_trace_dir`). No `trace_dir`: `cfg` unchanged."""
+    if not trace_dir:
+        return cfg
+    if isinstance(cfg, LocalConfig):
+        path = str(Path(trace_dir) / "trace-rank0.jsonl")
+        return dataclasses.replace(cfg, trace_path=path, trace_hidden=hidden)
+    return dataclasses.replace(cfg, trace_dir=str(trace_dir), trace_hidden=hidden)
+
+
 @contextlib.contextmanager
 def open_server(
     backend: str,
@@ -84,9 +96,7 @@ def open_server(
 
         mode = "eagle3" if cfg.speculative else "plain"
         log = Path(log_dir) / f"sglang-{mode}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-        spec = sglang_spec(cfg, tp_size, device)
-        if trace_dir is not None:
-            spec = dataclasses.replace(spec, trace_dir=str(trace_dir), trace_hidden=trace_hidden)
+        spec = traced(sglang_spec(cfg, tp_size, device), trace_dir, trace_hidden)
         server = sglang.launch(spec, log, deadline_s=deadline_s)
         try:
             yield Session(server.url, backend, True, list(server.argv), time.perf_counter() - t0)
@@ -95,9 +105,7 @@ def open_server(
         return
     if tp_size != 1:
         raise ServerError("the local backend runs in one process: tp_size must be 1")
-    if trace_dir is not None:
-        path = str(Path(trace_dir) / "trace-rank0.jsonl")
-        cfg = dataclasses.replace(cfg, trace_path=path, trace_hidden=trace_hidden)
+    cfg = traced(cfg, trace_dir, trace_hidden)
     server = LocalServer(load_engine(cfg, targets)).start()
     try:
         yield Session(server.url, backend, True, cfg.argv(port=server.port),
