@@ -4,8 +4,12 @@ Same chat-templated prompts, greedy, on the embedded target. Ends with one `RESU
 --chunk-size N also runs `workbench.data.regenerate` in chunks of N prompts twice in this
 process, the batch drained at each chunk end (the old way) and refilled across chunks, and
 prints both (tok/s, decode steps, occupancy); --regen-only skips the HF / generate_batch table.
+--attention-ab runs `regenerate` on the first --n-prompts training prompts twice in this process,
+decode attention in torch's SDPA and in the C kernel (`workbench.decode_attention`), and ends
+with their ratio.
 Usage: python benchmarks/bench_regen.py [--n-prompts 64] [--max-new-tokens 64] [--quick]
        [--chunk-size 16 --batch 16 --regen-only --dtypes bfloat16,float32]
+       [--attention-ab --n-prompts 96 --max-new-tokens 512 --batch 64 --dtypes bfloat16]
 """
 
 from __future__ import annotations
@@ -98,6 +102,33 @@ def regen_paths(t, n: int, m: int, args) -> None:
               f"speedup={res[(dt, True)] / res[(dt, False)]:.2f} dtype={dt} batch={args.batch}")  # fmt: skip
 
 
+def attention_ab(t, n: int, m: int, args) -> None:
+    """`regenerate` with SDPA, then with the C decode-attention kernel, same prompts/settings."""
+    import os
+
+    from workbench import decode_attention
+    from workbench.data import RegenConfig, load_train_prompts, regenerate
+
+    qs = load_train_prompts()[:n]
+    dt = args.dtypes.split(",")[0]
+    print(f"regenerate {dt}: {n} training prompts, {sum(len(q.turns) for q in qs)} turns, "
+          f"max_new_tokens {m}, batch {args.batch}")  # fmt: skip
+    res = {}
+    for mode in ("sdpa", "c"):
+        os.environ[decode_attention.ENV] = mode
+        cfg = RegenConfig(max_new_tokens=m, batch_size=args.batch, chunk_size=args.chunk_size or 128,
+                          dtype=dt)  # fmt: skip
+        with tempfile.TemporaryDirectory() as d:
+            info = regenerate(t, qs, d, cfg, progress=False)
+        res[mode] = info["tok_s"]
+        print(f"  attention {mode:<4}: {info['new_tokens_this_run']} tokens "
+              f"{info['seconds_this_run']}s {info['tok_s']} tok/s, {info['decode_steps']} steps, "
+              f"occupancy {info['occupancy']}", flush=True)  # fmt: skip
+    del os.environ[decode_attention.ENV]
+    print(f"RESULT regen_tok_s_c={res['c']:.1f} regen_tok_s_sdpa={res['sdpa']:.1f} "
+          f"speedup={res['c'] / res['sdpa']:.2f} dtype={dt} batch={args.batch} prompts={n}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-prompts", type=int, default=64, help="64: batch 64 gets full rows")
@@ -109,6 +140,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="regenerate batch size")
     ap.add_argument("--dtypes", default="bfloat16", help="regenerate dtypes, comma separated")
     ap.add_argument("--regen-only", action="store_true", help="skip HF and generate_batch")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="regenerate with SDPA vs the C decode-attention kernel, then stop")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,6 +155,8 @@ def main() -> None:
     n, m = len(prompts), args.max_new_tokens
     print(f"{n} prompts, {sum(map(len, prompts))} prompt tokens, max_new_tokens {m}")
 
+    if args.attention_ab:
+        return attention_ab(t, n, m, args)
     if args.chunk_size:
         regen_paths(t, n, m, args)
     if args.regen_only:

@@ -100,3 +100,13 @@ def locked_dir(directory: str | os.PathLike, what: str = "run folder") -> Iterat
         yield d
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def workbench_home() -> Path:
+    """Cache root: `$WORKBENCH_HOME`, else the user's cache dir."""
+    env = os.environ.get("WORKBENCH_HOME")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("workbench"))

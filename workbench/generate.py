@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workbench import decode_attention
 from workbench.llama import KVCache, Llama
 
 
@@ -36,6 +37,7 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     steps: int = 0  # decode forwards
     row_steps: int = 0  # sum of batch rows over decode forwards (padding included)
+    attention: str = ""  # what the decode steps attended with: "c" (the kernel) or "sdpa"
 
     @property
     def tok_s(self) -> float:
@@ -185,8 +187,11 @@ def run_queue(
     `sampler(logits [B, V], keys [B])` picks the next tokens (keys: request per row, -1 free).
     Free rows are refilled once `refill_frac` of the batch is free; with nothing queued the
     batch is compacted each time half of it has finished, and grown back if requests arrive.
+    Decode steps attend through the C kernel where it builds (`workbench.decode_attention`).
     """
     t0 = time.perf_counter()
+    attention = "c" if decode_attention.enabled() else "sdpa"
+    stats.attention = attention
     eos = [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids or [])
     eos_t = torch.tensor(eos or [-1], dtype=torch.long)
     full = B = max(1, batch_size)
@@ -250,7 +255,8 @@ def run_queue(
             pid, active, count, tok, out = (t[keep] for t in (pid, active, count, tok, out))
             B = len(keep)
         # hot path: one forward for all rows; free rows re-write their own current slot
-        logits = llm(tok[:, None], cache, n_valid=active.long(), logits="all").logits[:, 0]
+        logits = llm(tok[:, None], cache, n_valid=active.long(), logits="all",
+                     attention=attention).logits[:, 0]  # fmt: skip
         nxt = sampler(logits, pid)
         stats.steps += 1
         stats.row_steps += B

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workbench.decode_attention import decode_attention
 from workbench.errors import WorkbenchError
 
 
@@ -428,6 +429,7 @@ class Llama:
         hidden_layers: Sequence[int] = (),
         logits: str = "all",
         advance: bool = True,
+        attention: str = "sdpa",
     ) -> Output:
         """Run k new tokens per row [B, k] through the model, writing them into `cache`.
 
@@ -435,6 +437,8 @@ class Llama:
         positions [B, k]: RoPE positions (default: slot - start). logits: "all", "last"
         (at token n_valid-1 of each row) or "none". advance=False leaves `lengths` as is
         (the tokens are still written; a verifier then sets lengths to what it accepts).
+        attention="c": one-token steps (k == 1, no tree) attend through the C kernel of
+        `workbench.decode_attention` (batched generation); the default is torch's SDPA.
         """
         B, k = tokens.shape
         if cache is None:
@@ -448,28 +452,35 @@ class Llama:
         cos, sin = self._rope_tables(int(positions.max()) + 1)
         cos, sin = cos[positions][:, :, None], sin[positions][:, :, None]
 
-        # mask [B, 1, G*k, S]: cached prefix [start, length) + new tokens by causal/tree mask
-        s = torch.arange(S, device=dev)
-        rel = s[None, :] - cache.lengths[:, None]  # [B, S]; new token j sits at rel == j
-        prefix = (s[None, :] >= cache.start[:, None]) & (rel < 0)
-        if tree_mask is None:
-            new = (rel[:, None, :] >= 0) & (rel[:, None, :] <= ar[None, :, None])
-        else:
-            tm = tree_mask.to(device=dev, dtype=torch.bool).expand(B, k, k)
-            idx = rel.clamp(0, k - 1)[:, None, :].expand(B, k, S)
-            new = ((rel >= 0) & (rel < k))[:, None, :] & torch.gather(tm, 2, idx)
-        # left padding (slots < start) is hidden; each token always sees itself, so no row
-        # of the softmax is empty (NaN would poison the cache through 0 * NaN)
-        mask = ((prefix[:, None, :] | new) & (s >= cache.start[:, None])[:, None, :]) | (
-            rel[:, None, :] == ar[None, :, None]
-        )
+        if attention not in ("sdpa", "c"):
+            raise ValueError(f"attention={attention!r}: expected 'sdpa' or 'c'")
         G = self.n_heads // self.n_kv
-        mask = mask[:, None, None].expand(B, 1, G, k, S)
-        # additive form once per forward: SDPA would convert the bool mask this same way
-        # (0 / -inf in the query dtype) in every layer
-        keep = mask.reshape(B, 1, G * k, S)
-        mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~keep, float("-inf"))
+        kernel = attention == "c" and k == 1 and tree_mask is None
+        if kernel:  # row b sees slots [start, length] (its prefix and the new token)
+            hi = cache.lengths + 1
+            lo = torch.minimum(cache.start, cache.lengths)
+        else:
+            # mask [B, 1, G*k, S]: cached prefix [start, length) + new tokens by causal/tree mask
+            s = torch.arange(S, device=dev)
+            rel = s[None, :] - cache.lengths[:, None]  # [B, S]; new token j sits at rel == j
+            prefix = (s[None, :] >= cache.start[:, None]) & (rel < 0)
+            if tree_mask is None:
+                new = (rel[:, None, :] >= 0) & (rel[:, None, :] <= ar[None, :, None])
+            else:
+                tm = tree_mask.to(device=dev, dtype=torch.bool).expand(B, k, k)
+                idx = rel.clamp(0, k - 1)[:, None, :].expand(B, k, S)
+                new = ((rel >= 0) & (rel < k))[:, None, :] & torch.gather(tm, 2, idx)
+            # left padding (slots < start) is hidden; each token always sees itself, so no row
+            # of the softmax is empty (NaN would poison the cache through 0 * NaN)
+            mask = ((prefix[:, None, :] | new) & (s >= cache.start[:, None])[:, None, :]) | (
+                rel[:, None, :] == ar[None, :, None]
+            )
+            mask = mask[:, None, None].expand(B, 1, G, k, S)
+            # additive form once per forward: SDPA would convert the bool mask this same way
+            # (0 / -inf in the query dtype) in every layer
+            keep = mask.reshape(B, 1, G * k, S)
+            mask = torch.zeros(keep.shape, dtype=self.dtype, device=dev)
+            mask.masked_fill_(~keep, float("-inf"))
         # rows at equal lengths (batch 1 always): cache writes are one slice copy per tensor
         l0 = int(cache.lengths[0])
         uniform = bool((cache.lengths == l0).all()) and l0 + k <= cache.max_len
@@ -493,9 +504,12 @@ class Llama:
                 cache.v[i][bidx, :, slots] = vv
             # GQA without repeating K/V: fold the G query heads of a kv head into the rows
             q = q.view(B, k, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * k, D)
-            o = F.scaled_dot_product_attention(
-                q, cache.k[i, :, :, :S], cache.v[i, :, :, :S], attn_mask=mask
-            )
+            if kernel:
+                o = decode_attention(q, cache.k[i], cache.v[i], lo, hi)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q, cache.k[i, :, :, :S], cache.v[i, :, :, :S], attn_mask=mask
+                )
             o = o.view(B, Hkv, G, k, D).permute(0, 3, 1, 2, 4).reshape(B, k, H * D)
             h = h + linear(o, L.wo)
             x = rms_norm(h, L.ln2, self.eps)

