@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 import torch
 
+from workbench.draft import soft_ce
 from workbench.draft.data import collate, collate_packed, epoch_batches, packed_epoch
 from workbench.draft.model import DraftConfig, Eagle3Draft
 from workbench.draft.ttt import TTTModel, keep_freed_memory, unroll_masks
@@ -83,6 +85,36 @@ def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
             fn()
             best[j] = min(best[j], clock() - t0)
     return best
+
+
+def soft_ce_ab(step, loss, tokens: int, reps: int, clock) -> str:
+    """The current training step with `WORKBENCH_SOFT_CE=c` vs `=torch`, interleaved."""
+
+    def under(m: str, fn):
+        def run():
+            old = os.environ.get(soft_ce.ENV)
+            os.environ[soft_ce.ENV] = m
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ[soft_ce.ENV]
+                else:
+                    os.environ[soft_ce.ENV] = old
+
+        return run
+
+    with torch.no_grad():
+        l_c, l_t = under("c", loss)(), under("torch", loss)()
+    t_c, t_t = timed_min([under("c", step), under("torch", step)], reps, clock)
+    print(
+        f"soft-CE: C {t_c * 1000:.0f} ms ({tokens / t_c:.0f} tok/s), torch {t_t * 1000:.0f} ms "
+        f"({tokens / t_t:.0f} tok/s), {t_t / t_c:.2f}x; loss C {l_c:.6f} torch {l_t:.6f}"
+    )
+    return (
+        f" soft_ce_c_tok_s={tokens / t_c:.1f} soft_ce_torch_tok_s={tokens / t_t:.1f} "
+        f"soft_ce_speedup={t_t / t_c:.2f} soft_ce_loss_rel_diff={abs(l_c - l_t) / abs(l_t):.1e}"
+    )
 
 
 def varying_lengths(
@@ -254,6 +286,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (with --threads 1: robust on a loaded box)")  # fmt: skip
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
+    ap.add_argument("--soft-ce-ab", action="store_true",
+                    help="also time the current step with the C vs the torch soft-CE")  # fmt: skip
     ap.add_argument("--lengths", action="store_true",
                     help="fresh batches of varying length: exact vs padded, heap kept or not")  # fmt: skip
     ap.add_argument("--pack-rows", type=int, default=1, help="packed rows a step")
@@ -338,6 +372,9 @@ def main() -> None:
         t1, tn = timed_min([fwd_bwd(1), fwd_bwd(args.ttt)], args.reps, clock)
         print(f"full TTT-{args.ttt} fwd+bwd {tn * 1000:.0f} ms vs 1 step {t1 * 1000:.0f} ms")
         extra = f" ttt_cost_ratio={tn / t1:.2f}"
+    if args.soft_ce_ab:
+        extra += soft_ce_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
+                            B * T, args.reps, clock)  # fmt: skip
     print(
         f"RESULT train_tok_s={tok_new:.1f} ref_train_tok_s={tok_ref:.1f} "
         f"speedup={t_ref / t_new:.2f} loss_rel_diff={rel:.1e} ttt_sample={f:g}{extra}"

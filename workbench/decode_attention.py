@@ -5,102 +5,40 @@ a bf16 cache at ~8 GB/s (fp32 ~18) on the 2-core AMD machines and attends to eve
 the longest one under a mask. `csrc/decode_attention.c` reads each row's own slots once: on a
 Zen 4 EPYC, 48 rows at up to 680 slots took 0.67 ms a layer against SDPA's 3.2 ms.
 
-The kernel is compiled on first use with the machine's C compiler (`cc`, or `$CC`) for this
-CPU (`-march=native`) into `$WORKBENCH_HOME/kernels/`, keyed by the source, flags, compiler
-and CPU, and loaded with ctypes. Only `generate.run_queue` (regeneration, self prompts) uses
-it; the engine's decode and verify keep SDPA, whose k-token verify reproduces k one-token
-steps bit for bit. `WORKBENCH_DECODE_ATTENTION=sdpa` turns it off, `=c` requires it.
+The kernel is compiled on first use for this CPU and cached (`workbench.kernels`). Only
+`generate.run_queue` (regeneration, self prompts) uses it; the engine's decode and verify keep
+SDPA, whose k-token verify reproduces k one-token steps bit for bit. `WORKBENCH_DECODE_ATTENTION=sdpa` turns it off, `=c` requires it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from workbench.errors import WorkbenchError
-from workbench.fsutil import workbench_home
+from workbench import kernels
+from workbench.kernels import KernelError
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only",
-         "-shared", "-fPIC"]  # fmt: skip
+SOURCE = kernels.CSRC / "decode_attention.c"
 ENV = "WORKBENCH_DECODE_ATTENTION"
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
-class KernelError(WorkbenchError):
-    """The C decode-attention kernel could not be built or was called with bad arguments."""
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or "cc"
-    return shutil.which(cc)
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU's model line and flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read(65536).splitlines()
-                     if ln.startswith(("model name", "flags", "cpu family", "model\t"))]  # fmt: skip
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
 def mode() -> str:
     """'auto' (the default: use the kernel where a compiler is found), 'c' or 'sdpa'."""
-    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if m not in ("auto", "c", "sdpa"):
-        raise KernelError(f"{ENV}={m!r}: expected 'auto', 'c' or 'sdpa'")
-    return m
+    return kernels.mode(ENV, "sdpa")
 
 
 def enabled() -> bool:
     """Whether `run_queue` attends through the kernel on this machine."""
-    m = mode()
-    if m == "sdpa":
-        return False
-    if _compiler() is None:
-        if m == "c":
-            raise KernelError(f"{ENV}=c but no C compiler was found (cc or $CC); install gcc "
-                              f"or set {ENV}=sdpa")  # fmt: skip
-        return False
-    return True
+    return kernels.enabled(ENV, "sdpa")
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise KernelError(f"no C compiler (cc or $CC) to build {SOURCE.name}; set {ENV}=sdpa")
-    src = SOURCE.read_bytes()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]  # fmt: skip
-    out = workbench_home() / "kernels" / f"decode_attention-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            so = Path(tmp) / out.name
-            res = subprocess.run([cc, *FLAGS, "-o", str(so), str(SOURCE), "-lpthread", "-lm"],
-                                 capture_output=True, text=True)  # fmt: skip
-            if res.returncode != 0:
-                raise KernelError(f"building {SOURCE} with {cc} failed:\n{res.stderr.strip()}\n"
-                                  f"Fix the compiler, or set {ENV}=sdpa to use torch's SDPA.")  # fmt: skip
-            with open(so, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(so, out)  # atomic: a concurrent build of the same key writes the same
-    lib = ctypes.CDLL(str(out))
+    lib = kernels.build(SOURCE, ENV, "sdpa")
     P, N, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.decode_attention.argtypes = [N, P, P, P, P, P, P, N, N, N, N, L, L, L, ctypes.c_float, N]
     lib.decode_attention.restype = N

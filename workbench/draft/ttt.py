@@ -14,10 +14,9 @@ batch. `ttt_sample < 1` unrolls steps >= 1 for a random subset of positions only
 sampled chain is exactly the full unroll there): the unroll, not step 0, is what makes TTT
 costly.
 
-Speed (benchmarks/bench_train.py): the soft cross-entropy is one chunked autograd function
-(`soft_ce`: no [N, V] log-prob, product or upcast tensors kept; chunks stay below glibc's
-32 MB mmap threshold, so no page faults per step), the target rows are gathered by flat index
-(the target softmax runs on the scored rows only), and the attention is
+Speed (benchmarks/bench_train.py): the soft cross-entropy is `soft_ce.soft_ce` (a C kernel
+reading the target rows in place by flat index, or a chunked torch function), so the target
+softmax runs on the scored rows only and no [N, V] intermediates are kept; the attention is
 `attention.ttt_attention`. `TTTModel(reference=True)` is the earlier formulation, kept as the
 baseline the tests and the benchmark compare against.
 """
@@ -35,6 +34,7 @@ from torch import nn
 
 from workbench.draft.attention import TTTKV, packed_segments
 from workbench.draft.model import Eagle3Draft
+from workbench.draft.soft_ce import soft_ce
 from workbench.metrics import simulated_tau_curve
 
 
@@ -66,52 +66,6 @@ def step_masks(
 
 
 # ---------------------------------------------------------------- the TTT unroll
-
-
-class _SoftCE(torch.autograd.Function):
-    """Per-row -sum(softmax(t) * log_softmax(z)) = logsumexp(z) - sum(softmax(t) * z), and
-    argmax(z) (empty without `top`); gradient (softmax(z) - softmax(t)) * g. fp32 math, `chunk`
-    rows at a time."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, t: torch.Tensor, chunk: int, want_top: bool = True):
-        N = z.shape[0]
-        ce = torch.empty(N, dtype=torch.float32, device=z.device)
-        top = torch.empty(N if want_top else 0, dtype=torch.long, device=z.device)
-        p = torch.empty(t.shape, dtype=torch.float32, device=z.device)
-        for a in range(0, N, chunk):
-            zc = z[a : a + chunk].float()
-            pc = p[a : a + chunk]
-            torch.softmax(t[a : a + chunk].float(), -1, out=pc)
-            ce[a : a + chunk] = zc.logsumexp(-1) - (pc * zc).sum(-1)
-            if want_top:
-                top[a : a + chunk] = zc.argmax(-1)
-        ctx.save_for_backward(z, p)
-        ctx.chunk = chunk
-        ctx.mark_non_differentiable(top)
-        return ce, top
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor, _top: torch.Tensor):
-        z, p = ctx.saved_tensors
-        gz = torch.empty_like(z)
-        c = ctx.chunk
-        for a in range(0, z.shape[0], c):
-            sz = z[a : a + c].float().softmax(-1)
-            gz[a : a + c] = (sz.sub_(p[a : a + c])).mul_(g[a : a + c, None])
-        return gz, None, None, None
-
-
-def soft_ce(
-    z: torch.Tensor, t: torch.Tensor, chunk: int = 1024, top: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(soft cross-entropy of draft logits z [N, V] against softmax(t) [N, V], argmax(z)).
-
-    Equals `-(t.softmax(-1) * z.float().log_softmax(-1)).sum(-1)` up to float rounding (the
-    target rows sum to 1), in one pass per chunk forward and one backward. `top=False` skips
-    the argmax (an empty tensor instead): it only feeds accuracy statistics.
-    """
-    return _SoftCE.apply(z, t.detach(), chunk, top)
 
 
 def keep_freed_memory() -> bool:
@@ -236,7 +190,7 @@ class TTTModel(nn.Module):
                 at = at_all.clamp(max=T - 1)  # rows past the end are masked out anyway
                 flat = torch.arange(B, device=ids.device)[:, None] * T + at
                 z = d.lm_head(d.norm(hs.reshape(-1, hs.shape[-1])))
-                ce, top = soft_ce(z, tflat.index_select(0, flat.reshape(-1)), top=stats)
+                ce, top = soft_ce(z, tflat, flat.reshape(-1), top=stats)
                 ce = ce.view(m.shape) * m
                 ok = (top.view(m.shape) == targ.gather(1, at)) & m if stats else None
             loss = loss + (self.decay**i) * ce.sum() / denom[i].clamp(min=1) * scale
