@@ -6,10 +6,12 @@ process, the batch drained at each chunk end (the old way) and refilled across c
 prints both (tok/s, decode steps, occupancy); --regen-only skips the HF / generate_batch table.
 --attention-ab runs `regenerate` on the first --n-prompts training prompts twice in this process,
 decode attention in torch's SDPA and in the C kernel (`workbench.decode_attention`), and ends
-with their ratio.
+with their ratio. --threads-ab does the same with the kernel on threads of its own and on torch's
+OpenMP threads (`WORKBENCH_KERNEL_THREADS`).
 Usage: python benchmarks/bench_regen.py [--n-prompts 64] [--max-new-tokens 64] [--quick]
        [--chunk-size 16 --batch 16 --regen-only --dtypes bfloat16,float32]
        [--attention-ab --n-prompts 96 --max-new-tokens 512 --batch 64 --dtypes bfloat16]
+       [--threads-ab --n-prompts 96 --max-new-tokens 512 --batch 64 --dtypes bfloat16]
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ def regen_paths(t, n: int, m: int, args) -> None:
               f"speedup={res[(dt, True)] / res[(dt, False)]:.2f} dtype={dt} batch={args.batch}")  # fmt: skip
 
 
-def attention_ab(t, n: int, m: int, args) -> None:
-    """`regenerate` with SDPA, then with the C decode-attention kernel, same prompts/settings."""
+def regen_ab(t, n: int, m: int, args, env: str, modes: tuple[str, str], key: str) -> None:
+    """`regenerate` under `env`=modes[0], then modes[1], same prompts and settings, this process;
+    ends with the RESULT line of modes[1] over modes[0]."""
     import os
 
     from workbench import decode_attention
@@ -114,19 +117,22 @@ def attention_ab(t, n: int, m: int, args) -> None:
     print(f"regenerate {dt}: {n} training prompts, {sum(len(q.turns) for q in qs)} turns, "
           f"max_new_tokens {m}, batch {args.batch}")  # fmt: skip
     res = {}
-    for mode in ("sdpa", "c"):
-        os.environ[decode_attention.ENV] = mode
+    for mode in modes:
+        os.environ[env] = mode
+        decode_attention._library.cache_clear()  # the kernel's build depends on the threads env
         cfg = RegenConfig(max_new_tokens=m, batch_size=args.batch, chunk_size=args.chunk_size or 128,
                           dtype=dt)  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             info = regenerate(t, qs, d, cfg, progress=False)
         res[mode] = info["tok_s"]
-        print(f"  attention {mode:<4}: {info['new_tokens_this_run']} tokens "
+        print(f"  {env}={mode:<5}: {info['new_tokens_this_run']} tokens "
               f"{info['seconds_this_run']}s {info['tok_s']} tok/s, {info['decode_steps']} steps, "
               f"occupancy {info['occupancy']}", flush=True)  # fmt: skip
-    del os.environ[decode_attention.ENV]
-    print(f"RESULT regen_tok_s_c={res['c']:.1f} regen_tok_s_sdpa={res['sdpa']:.1f} "
-          f"speedup={res['c'] / res['sdpa']:.2f} dtype={dt} batch={args.batch} prompts={n}")  # fmt: skip
+    del os.environ[env]
+    decode_attention._library.cache_clear()
+    a, b = modes
+    print(f"RESULT regen_tok_s_{key}={res[b]:.1f} regen_tok_s_{a}={res[a]:.1f} "
+          f"speedup={res[b] / res[a]:.2f} dtype={dt} batch={args.batch} prompts={n}")  # fmt: skip
 
 
 def main() -> None:
@@ -142,6 +148,9 @@ def main() -> None:
     ap.add_argument("--regen-only", action="store_true", help="skip HF and generate_batch")
     ap.add_argument("--attention-ab", action="store_true",
                     help="regenerate with SDPA vs the C decode-attention kernel, then stop")  # fmt: skip
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="regenerate with the C kernel on its own threads vs torch's OpenMP "
+                         "threads (WORKBENCH_KERNEL_THREADS own / auto), then stop")  # fmt: skip
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,8 +164,10 @@ def main() -> None:
     n, m = len(prompts), args.max_new_tokens
     print(f"{n} prompts, {sum(map(len, prompts))} prompt tokens, max_new_tokens {m}")
 
-    if args.attention_ab:
-        return attention_ab(t, n, m, args)
+    if args.attention_ab:  # SDPA, then the C kernel
+        return regen_ab(t, n, m, args, "WORKBENCH_DECODE_ATTENTION", ("sdpa", "c"), "c")
+    if args.threads_ab:  # the C kernel on threads of its own, then on torch's OpenMP threads
+        return regen_ab(t, n, m, args, "WORKBENCH_KERNEL_THREADS", ("own", "auto"), "openmp")
     if args.chunk_size:
         regen_paths(t, n, m, args)
     if args.regen_only:

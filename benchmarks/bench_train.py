@@ -12,7 +12,8 @@ On a loaded machine use `--threads 1 --clock cpu` (CPU time of one thread, not w
 Last line: `RESULT train_tok_s=... ref_train_tok_s=... speedup=... loss_rel_diff=...
 ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--cost-ratio` adds
 `ttt_cost_ratio`: a full (unsampled) TTT-N forward+backward relative to a single-step one
-(goal <= N x: the unroll adds no waste beyond its N steps).
+(goal <= N x: the unroll adds no waste beyond its N steps). `--soft-ce-ab` adds the step with the
+C soft-CE vs torch's, `--threads-ab` the C soft-CE on torch's OpenMP threads vs threads of its own.
 
 `--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
 batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
@@ -87,26 +88,31 @@ def timed_min(fns: list, reps: int, clock=time.perf_counter) -> list[float]:
     return best
 
 
+def under(env: str, m: str, fn):
+    """fn run with `env`=m (the soft-CE kernel reloaded: its build depends on the threads env)."""
+
+    def run():
+        old = os.environ.get(env)
+        os.environ[env] = m
+        soft_ce._library.cache_clear()
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[env]
+            else:
+                os.environ[env] = old
+            soft_ce._library.cache_clear()
+
+    return run
+
+
 def soft_ce_ab(step, loss, tokens: int, reps: int, clock) -> str:
     """The current training step with `WORKBENCH_SOFT_CE=c` vs `=torch`, interleaved."""
-
-    def under(m: str, fn):
-        def run():
-            old = os.environ.get(soft_ce.ENV)
-            os.environ[soft_ce.ENV] = m
-            try:
-                return fn()
-            finally:
-                if old is None:
-                    del os.environ[soft_ce.ENV]
-                else:
-                    os.environ[soft_ce.ENV] = old
-
-        return run
-
     with torch.no_grad():
-        l_c, l_t = under("c", loss)(), under("torch", loss)()
-    t_c, t_t = timed_min([under("c", step), under("torch", step)], reps, clock)
+        l_c, l_t = under(soft_ce.ENV, "c", loss)(), under(soft_ce.ENV, "torch", loss)()
+    t_c, t_t = timed_min([under(soft_ce.ENV, "c", step), under(soft_ce.ENV, "torch", step)],
+                         reps, clock)  # fmt: skip
     print(
         f"soft-CE: C {t_c * 1000:.0f} ms ({tokens / t_c:.0f} tok/s), torch {t_t * 1000:.0f} ms "
         f"({tokens / t_t:.0f} tok/s), {t_t / t_c:.2f}x; loss C {l_c:.6f} torch {l_t:.6f}"
@@ -114,6 +120,23 @@ def soft_ce_ab(step, loss, tokens: int, reps: int, clock) -> str:
     return (
         f" soft_ce_c_tok_s={tokens / t_c:.1f} soft_ce_torch_tok_s={tokens / t_t:.1f} "
         f"soft_ce_speedup={t_t / t_c:.2f} soft_ce_loss_rel_diff={abs(l_c - l_t) / abs(l_t):.1e}"
+    )
+
+
+def threads_ab(step, loss, tokens: int, reps: int, clock) -> str:
+    """The current step with the C soft-CE on torch's OpenMP threads vs threads of its own
+    (`WORKBENCH_KERNEL_THREADS` auto / own), interleaved; the losses must be the same."""
+    env = "WORKBENCH_KERNEL_THREADS"
+    with torch.no_grad():
+        l_o, l_p = under(env, "auto", loss)(), under(env, "own", loss)()
+    t_o, t_p = timed_min([under(env, "auto", step), under(env, "own", step)], reps, clock)
+    print(
+        f"soft-CE threads: torch's OpenMP {t_o * 1000:.0f} ms ({tokens / t_o:.0f} tok/s), own "
+        f"{t_p * 1000:.0f} ms ({tokens / t_p:.0f} tok/s), {t_p / t_o:.2f}x; loss {l_o:.6f} / {l_p:.6f}"
+    )
+    return (
+        f" openmp_tok_s={tokens / t_o:.1f} own_threads_tok_s={tokens / t_p:.1f} "
+        f"threads_speedup={t_p / t_o:.2f} threads_loss_rel_diff={abs(l_o - l_p) / abs(l_p):.1e}"
     )
 
 
@@ -288,6 +311,9 @@ def main() -> None:
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
     ap.add_argument("--soft-ce-ab", action="store_true",
                     help="also time the current step with the C vs the torch soft-CE")  # fmt: skip
+    ap.add_argument("--threads-ab", action="store_true",
+                    help="also time the current step with the C soft-CE on torch's OpenMP "
+                         "threads vs its own (WORKBENCH_KERNEL_THREADS auto / own)")  # fmt: skip
     ap.add_argument("--lengths", action="store_true",
                     help="fresh batches of varying length: exact vs padded, heap kept or not")  # fmt: skip
     ap.add_argument("--pack-rows", type=int, default=1, help="packed rows a step")
@@ -374,6 +400,9 @@ def main() -> None:
         extra = f" ttt_cost_ratio={tn / t1:.2f}"
     if args.soft_ce_ab:
         extra += soft_ce_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
+                            B * T, args.reps, clock)  # fmt: skip
+    if args.threads_ab:
+        extra += threads_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
                             B * T, args.reps, clock)  # fmt: skip
     print(
         f"RESULT train_tok_s={tok_new:.1f} ref_train_tok_s={tok_ref:.1f} "

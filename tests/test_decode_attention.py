@@ -134,3 +134,37 @@ def test_the_build_is_cached_per_source_and_a_failed_build_says_why(tmp_path, mo
         assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()]
     finally:
         da._library.cache_clear()
+
+
+@needs_cc
+def test_torch_openmp_and_own_threads_builds_give_the_same_bits(tmp_path, monkeypatch):
+    """The kernel runs on torch's OpenMP threads where torch uses libgomp (one libgomp in the
+    process, not a second pool), else on threads of its own; the split over 2 threads, or 1,
+    gives the same bits either way."""
+    from workbench import kernels
+
+    q, k, v, lo, hi = ragged(torch.bfloat16, B=5)
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    old = torch.get_num_threads()
+    got = {}
+    try:
+        for omp in (True, False):
+            monkeypatch.setenv("WORKBENCH_KERNEL_THREADS", "auto" if omp else "own")
+            assert kernels.openmp() == (omp and kernels.torch_openmp())
+            da._library.cache_clear()
+            for n in (2, 1):
+                torch.set_num_threads(n)
+                got[omp, n] = da.decode_attention(q, k, v, lo, hi)
+    finally:
+        torch.set_num_threads(old)
+        da._library.cache_clear()
+    assert len(list((tmp_path / "kernels").glob("decode_attention-*.so"))) == 2
+    first = got[True, 2]
+    assert all(torch.equal(first, g) for g in got.values())
+    assert torch.equal(first, da.decode_attention(q, k, v, lo, hi))
+    with open("/proc/self/maps") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) <= 1, gomps  # the -fopenmp build reused torch's runtime
+    monkeypatch.setenv("WORKBENCH_KERNEL_THREADS", "many")
+    with pytest.raises(kernels.KernelError, match="expected 'auto' or 'own'"):
+        kernels.openmp()

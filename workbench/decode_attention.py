@@ -40,7 +40,7 @@ def enabled() -> bool:
 def _library() -> ctypes.CDLL:
     lib = kernels.build(SOURCE, ENV, "sdpa")
     P, N, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.decode_attention.argtypes = [N, P, P, P, P, P, P, N, N, N, N, L, L, L, ctypes.c_float, N]
+    lib.decode_attention.argtypes = [N, P, P, P, P, P, P, N, N, N, N, L, L, L, L, ctypes.c_float, N]
     lib.decode_attention.restype = N
     return lib
 
@@ -56,17 +56,23 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor) ->
         raise KernelError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
     if k.stride(3) != 1 or q.device.type != "cpu":
         raise KernelError("decode_attention needs CPU tensors with head_dim contiguous")
+    if lo.shape != (B,) or hi.shape != (B,):
+        raise KernelError(
+            f"lo {tuple(lo.shape)} / hi {tuple(hi.shape)}: expected one per row ({B})"
+        )
+    # the kernel checks the ranges itself (a loop over B pairs): a decode step calls this once
+    # per layer, and a check here took three torch reductions and two syncs to Python each time
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
-    if bool((lo < 0).any()) or bool((hi <= lo).any()) or int(hi.max()) > k.shape[2]:
-        raise KernelError(f"slot ranges out of the cache's {k.shape[2]} slots: lo {lo.tolist()}, "
-                          f"hi {hi.tolist()}")  # fmt: skip
     q = q.contiguous()
     out = torch.empty_like(q)
     rc = _library().decode_attention(
         _DTYPES[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        lo.data_ptr(), hi.data_ptr(), B, H, G, D, k.stride(0), k.stride(1), k.stride(2),
-        D**-0.5, torch.get_num_threads(),
+        lo.data_ptr(), hi.data_ptr(), B, H, G, D, k.shape[2], k.stride(0), k.stride(1),
+        k.stride(2), D**-0.5, torch.get_num_threads(),
     )  # fmt: skip
+    if rc == -3:
+        raise KernelError(f"slot ranges out of the cache's {k.shape[2]} slots (each row needs "
+                          f"0 <= lo < hi <= {k.shape[2]}): lo {lo.tolist()}, hi {hi.tolist()}")  # fmt: skip
     if rc != 0:
         raise KernelError(f"decode_attention returned {rc} for q {tuple(q.shape)}")
     return out

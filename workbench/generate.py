@@ -257,7 +257,7 @@ def run_queue(
         # hot path: one forward for all rows; free rows re-write their own current slot
         logits = llm(tok[:, None], cache, n_valid=active.long(), logits="all",
                      attention=attention).logits[:, 0]  # fmt: skip
-        nxt = sampler(logits, pid)
+        nxt = sampler(logits.float(), pid)  # bf16 argmax: 4.3 ms at 48 rows, fp32 1.1 with the cast
         stats.steps += 1
         stats.row_steps += B
         tok = torch.where(active, nxt, tok)

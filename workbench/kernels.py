@@ -11,12 +11,14 @@ its environment variable (`auto` by default) forces one or the other.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from workbench.errors import WorkbenchError
@@ -69,22 +71,64 @@ def enabled(env: str, other: str) -> bool:
     return True
 
 
+def torch_openmp() -> bool:
+    """Whether this process runs GNU OpenMP (libgomp, as torch's Linux wheels do).
+
+    Then a kernel built with -fopenmp (`csrc/parallel.h`) loads that same libgomp (one per
+    soname in a process) and runs on torch's own thread pool, instead of starting threads that
+    compete with torch's, which spin for a while after each op."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def openmp() -> bool:
+    """Whether kernels are built to run on torch's OpenMP threads (`torch_openmp`), not on
+    threads of their own. `WORKBENCH_KERNEL_THREADS`: 'auto' (the default) or 'own'."""
+    m = os.environ.get("WORKBENCH_KERNEL_THREADS", "auto").strip().lower() or "auto"
+    if m not in ("auto", "own"):
+        raise KernelError(f"WORKBENCH_KERNEL_THREADS={m!r}: expected 'auto' or 'own'")
+    cc = compiler()
+    return m == "auto" and cc is not None and torch_openmp() and _openmp_builds(cc)
+
+
+def _compile(cc: str, flags: list[str], source: Path, so: Path) -> subprocess.CompletedProcess:
+    cmd = [cc, *flags, f"-I{CSRC}", "-o", str(so), str(source), "-lpthread", "-lm"]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@functools.cache
+def _openmp_builds(cc: str) -> bool:
+    """Whether `cc -fopenmp` builds a shared library (a clang without omp.h does not)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text("#include <omp.h>\nint probe(void) { return omp_get_max_threads(); }\n")
+        res = _compile(cc, ["-shared", "-fPIC", "-fopenmp"], src, Path(tmp) / "probe.so")
+    if res.returncode != 0:
+        warnings.warn(f"{cc} -fopenmp does not build ({res.stderr.strip()[:200]}), so the C "
+                      "kernels start threads of their own, which run slower beside torch's",
+                      stacklevel=3)  # fmt: skip
+    return res.returncode == 0
+
+
 def build(source: Path, env: str, other: str) -> ctypes.CDLL:
-    """Compile `source` (once per source, flags, compiler and CPU) and load it."""
+    """Compile `source` (once per source, headers, flags, compiler and CPU) and load it."""
     cc = compiler()
     if cc is None:
         raise KernelError(f"no C compiler (cc or $CC) to build {source.name}; set {env}={other}")
-    src = source.read_bytes()
+    flags = FLAGS + (["-fopenmp"] if openmp() else [])
+    src = b"\0".join([source.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h")))])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags).encode(), version.encode(),
                                      cpu_id().encode()])).hexdigest()[:16]  # fmt: skip
     out = workbench_home() / "kernels" / f"{source.stem}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             so = Path(tmp) / out.name
-            res = subprocess.run([cc, *FLAGS, "-o", str(so), str(source), "-lpthread", "-lm"],
-                                 capture_output=True, text=True)  # fmt: skip
+            res = _compile(cc, flags, source, so)
             if res.returncode != 0:
                 raise KernelError(f"building {source} with {cc} failed:\n{res.stderr.strip()}\n"
                                   f"Fix the compiler, or set {env}={other} to use torch.")  # fmt: skip

@@ -7,10 +7,11 @@
 // longest row under a mask), two passes: scores and softmax in fp32, then the weighted sum.
 // Built by workbench/decode_attention.py with the machine's C compiler, called through ctypes.
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 
 static inline float load_bf16(const void *p, int64_t i) {
     union { uint32_t u; float f; } c;
@@ -103,53 +104,54 @@ typedef struct {
 BODY(body_bf16, load_bf16, store_bf16)
 BODY(body_f32, load_f32, store_f32)
 
-static void *run_bf16(void *arg) {
-    job_t *j = arg;
+static void run_bf16(job_t *j) {
     if (j->G == 3 && j->D == 64) body_bf16(j, 3, 64);  // SmolLM2-135M: 9 heads on 3 kv heads
     else if (j->G == 4 && j->D == 64) body_bf16(j, 4, 64);
     else body_bf16(j, j->G, j->D);
-    return NULL;
 }
-static void *run_f32(void *arg) {
-    job_t *j = arg;
+static void run_f32(job_t *j) {
     if (j->G == 3 && j->D == 64) body_f32(j, 3, 64);
     else if (j->G == 4 && j->D == 64) body_f32(j, 4, 64);
     else body_f32(j, j->G, j->D);
-    return NULL;
 }
 
-// q, out: [B, H, G, D] contiguous; row b attends to slots [lo[b], hi[b]) of k and v.
-// bf16: 1 for bfloat16 data, 0 for float32. Returns 0, or a negative code on bad arguments.
+typedef struct {
+    job_t proto;
+    int units, bf16;
+    int64_t scratch_per_thread;
+    float *scratch;
+} split_t;
+
+static void task(void *arg, int t, int nt) {  // thread t of nt: its share of the units
+    split_t *s = arg;
+    job_t j = s->proto;
+    j.first = (int)((int64_t)s->units * t / nt);
+    j.last = (int)((int64_t)s->units * (t + 1) / nt);
+    j.scores = s->scratch + (int64_t)t * s->scratch_per_thread;
+    if (s->bf16) run_bf16(&j);
+    else run_f32(&j);
+}
+
+// q, out: [B, H, G, D] contiguous; row b attends to slots [lo[b], hi[b]) of k and v, which hold
+// T slots. bf16: 1 for bfloat16 data, 0 for float32. Returns 0, or a negative code: -1 bad
+// sizes, -2 out of memory, -3 a slot range outside [0, T) or empty.
 int decode_attention(int bf16, const void *q, const void *k, const void *v, void *out,
-                     const int64_t *lo, const int64_t *hi, int B, int H, int G, int D,
+                     const int64_t *lo, const int64_t *hi, int B, int H, int G, int D, int64_t T,
                      int64_t kb, int64_t kh, int64_t ks, float scale, int nthreads) {
     if (G < 1 || G > MAXG || D < 1 || D > MAXD || B < 1 || H < 1 || nthreads < 1 || nthreads > 64)
         return -1;
     int64_t maxn = 1;
     for (int b = 0; b < B; b++) {
-        if (lo[b] < 0 || hi[b] <= lo[b]) return -3;  // every row sees at least its own token
+        if (lo[b] < 0 || hi[b] <= lo[b] || hi[b] > T) return -3;  // a row sees its own token
         if (hi[b] - lo[b] > maxn) maxn = hi[b] - lo[b];
     }
     const int units = B * H;
     if (nthreads > units) nthreads = units;
     float *scratch = malloc(sizeof(float) * (size_t)G * (size_t)maxn * (size_t)nthreads);
     if (!scratch) return -2;
-    job_t jobs[64];
-    pthread_t th[64];
-    void *(*run)(void *) = bf16 ? run_bf16 : run_f32;
-    int started = 1;
-    for (int t = 0; t < nthreads; t++) {
-        jobs[t] = (job_t){q, k, v, out, lo, hi, H, G, D, kb, kh, ks, scale,
-                          (int)((int64_t)units * t / nthreads), (int)((int64_t)units * (t + 1) / nthreads),
-                          scratch + (int64_t)t * G * maxn};
-    }
-    for (int t = 1; t < nthreads; t++) {
-        if (pthread_create(&th[t], NULL, run, &jobs[t]) != 0) break;  // the rest run here
-        started++;
-    }
-    run(&jobs[0]);
-    for (int t = started; t < nthreads; t++) run(&jobs[t]);
-    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
+    split_t s = {{q, k, v, out, lo, hi, H, G, D, kb, kh, ks, scale, 0, 0, 0}, units, bf16,
+                 (int64_t)G * maxn, scratch};
+    int rc = parallel_run(task, &s, nthreads);
     free(scratch);
-    return 0;
+    return rc;
 }

@@ -11,9 +11,10 @@
 // Built by workbench/kernels.py with the machine's C compiler, called through ctypes by
 // workbench/draft/soft_ce.py.
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "parallel.h"
 
 static inline float load_bf16(const void *p, int64_t i) {
     union { uint32_t u; float f; } c;
@@ -109,36 +110,26 @@ BWD(bwd_fb, load_f32, load_bf16, store_f32)
 BWD(bwd_ff, load_f32, load_f32, store_f32)
 
 typedef void (*body_t)(job_t *);
-typedef struct { body_t body; job_t *job; } task_t;
+typedef struct {
+    body_t body;
+    job_t proto;
+    int N;
+} split_t;
 
-static void *run(void *arg) {
-    task_t *t = arg;
-    t->body(t->job);
-    return NULL;
+static void task(void *arg, int t, int nt) {  // thread t of nt: its share of the rows
+    split_t *s = arg;
+    job_t j = s->proto;
+    j.first = (int)((int64_t)s->N * t / nt);
+    j.last = (int)((int64_t)s->N * (t + 1) / nt);
+    s->body(&j);
 }
 
-// Rows split evenly over nthreads (the calling thread takes the first share).
+// Rows split evenly over nthreads (`parallel.h`).
 static int split(body_t body, job_t proto, int N, int nthreads) {
     if (nthreads < 1 || nthreads > 64) return -1;
     if (nthreads > N) nthreads = N > 0 ? N : 1;
-    job_t jobs[64];
-    task_t tasks[64];
-    pthread_t th[64];
-    for (int t = 0; t < nthreads; t++) {
-        jobs[t] = proto;
-        jobs[t].first = (int)((int64_t)N * t / nthreads);
-        jobs[t].last = (int)((int64_t)N * (t + 1) / nthreads);
-        tasks[t] = (task_t){body, &jobs[t]};
-    }
-    int started = 1;
-    for (int t = 1; t < nthreads; t++) {
-        if (pthread_create(&th[t], NULL, run, &tasks[t]) != 0) break;  // the rest run here
-        started++;
-    }
-    run(&tasks[0]);
-    for (int t = started; t < nthreads; t++) run(&tasks[t]);
-    for (int t = 1; t < started; t++) pthread_join(th[t], NULL);
-    return 0;
+    split_t s = {body, proto, N};
+    return parallel_run(task, &s, nthreads);
 }
 
 // z [N, V] (row stride zs), t [*, V] (row stride ts), row r scored against t[rows[r]].
