@@ -117,16 +117,16 @@ static void run_f32(job_t *j) {
 
 typedef struct {
     job_t proto;
-    int units, bf16;
+    int bf16;
     int64_t scratch_per_thread;
     float *scratch;
 } split_t;
 
-static void task(void *arg, int t, int nt) {  // thread t of nt: its share of the units
+static void task(void *arg, int first, int last, int t) {  // units [first, last) on thread t
     split_t *s = arg;
     job_t j = s->proto;
-    j.first = (int)((int64_t)s->units * t / nt);
-    j.last = (int)((int64_t)s->units * (t + 1) / nt);
+    j.first = first;
+    j.last = last;
     j.scores = s->scratch + (int64_t)t * s->scratch_per_thread;
     if (s->bf16) run_bf16(&j);
     else run_f32(&j);
@@ -146,12 +146,12 @@ int decode_attention(int bf16, const void *q, const void *k, const void *v, void
         if (hi[b] - lo[b] > maxn) maxn = hi[b] - lo[b];
     }
     const int units = B * H;
-    if (nthreads > units) nthreads = units;
+    if (nthreads > units) nthreads = units;  // as parallel_for does: scratch for that many
     float *scratch = malloc(sizeof(float) * (size_t)G * (size_t)maxn * (size_t)nthreads);
     if (!scratch) return -2;
-    split_t s = {{q, k, v, out, lo, hi, H, G, D, kb, kh, ks, scale, 0, 0, 0}, units, bf16,
+    split_t s = {{q, k, v, out, lo, hi, H, G, D, kb, kh, ks, scale, 0, 0, 0}, bf16,
                  (int64_t)G * maxn, scratch};
-    int rc = parallel_run(task, &s, nthreads);
+    int rc = parallel_for(task, &s, units, nthreads);
     free(scratch);
     return rc;
 }

@@ -1,5 +1,6 @@
-// parallel_run(fn, ctx, n): fn(ctx, t, nt) on nt <= n threads, t = 0 .. nt-1, the caller
-// taking t = 0; returns once all have run. Shared by the kernels in this folder.
+// parallel_for(fn, ctx, units, n): units [0, units) split evenly over nt = min(n, units) threads
+// (at least 1), fn(ctx, first, last, t) on thread t = 0 .. nt-1, the caller taking t = 0;
+// returns 0 once all have run, -1 for n outside 1..64. Shared by the kernels in this folder.
 //
 // Why OpenMP where it is built with -fopenmp (workbench/kernels.py does so when torch runs on
 // libgomp): the kernel then runs on torch's own OpenMP threads, which spin for a while after
@@ -9,19 +10,26 @@
 #ifndef WORKBENCH_PARALLEL_H
 #define WORKBENCH_PARALLEL_H
 
-typedef void (*task_fn)(void *ctx, int t, int nt);
+#include <stdint.h>
+
+typedef void (*range_fn)(void *ctx, int first, int last, int t);
+
+static inline void parallel_share(range_fn fn, void *ctx, int units, int t, int nt) {
+    fn(ctx, (int)((int64_t)units * t / nt), (int)((int64_t)units * (t + 1) / nt), t);
+}
 
 #ifdef _OPENMP
 #include <omp.h>
 
-static int parallel_run(task_fn fn, void *ctx, int n) {
+static int parallel_for(range_fn fn, void *ctx, int units, int n) {
     if (n < 1 || n > 64) return -1;
+    if (n > units) n = units > 0 ? units : 1;
     if (n == 1) {
-        fn(ctx, 0, 1);
+        fn(ctx, 0, units, 0);
         return 0;
     }
 #pragma omp parallel num_threads(n)
-    fn(ctx, omp_get_thread_num(), omp_get_num_threads());
+    parallel_share(fn, ctx, units, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }
 
@@ -29,22 +37,23 @@ static int parallel_run(task_fn fn, void *ctx, int n) {
 #include <pthread.h>
 
 typedef struct {
-    task_fn fn;
+    range_fn fn;
     void *ctx;
-    int t, nt;
+    int units, t, nt;
 } parallel_task_t;
 
 static void *parallel_task(void *arg) {
     parallel_task_t *p = arg;
-    p->fn(p->ctx, p->t, p->nt);
+    parallel_share(p->fn, p->ctx, p->units, p->t, p->nt);
     return 0;
 }
 
-static int parallel_run(task_fn fn, void *ctx, int n) {
+static int parallel_for(range_fn fn, void *ctx, int units, int n) {
     if (n < 1 || n > 64) return -1;
+    if (n > units) n = units > 0 ? units : 1;
     parallel_task_t tasks[64];
     pthread_t th[64];
-    for (int t = 0; t < n; t++) tasks[t] = (parallel_task_t){fn, ctx, t, n};
+    for (int t = 0; t < n; t++) tasks[t] = (parallel_task_t){fn, ctx, units, t, n};
     int started = 1;
     for (int t = 1; t < n; t++) {
         if (pthread_create(&th[t], 0, parallel_task, &tasks[t]) != 0) break;  // the rest run here

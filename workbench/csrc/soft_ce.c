@@ -113,23 +113,21 @@ typedef void (*body_t)(job_t *);
 typedef struct {
     body_t body;
     job_t proto;
-    int N;
 } split_t;
 
-static void task(void *arg, int t, int nt) {  // thread t of nt: its share of the rows
+static void task(void *arg, int first, int last, int t) {  // rows [first, last)
+    (void)t;
     split_t *s = arg;
     job_t j = s->proto;
-    j.first = (int)((int64_t)s->N * t / nt);
-    j.last = (int)((int64_t)s->N * (t + 1) / nt);
+    j.first = first;
+    j.last = last;
     s->body(&j);
 }
 
 // Rows split evenly over nthreads (`parallel.h`).
 static int split(body_t body, job_t proto, int N, int nthreads) {
-    if (nthreads < 1 || nthreads > 64) return -1;
-    if (nthreads > N) nthreads = N > 0 ? N : 1;
-    split_t s = {body, proto, N};
-    return parallel_run(task, &s, nthreads);
+    split_t s = {body, proto};
+    return parallel_for(task, &s, N, nthreads);
 }
 
 // z [N, V] (row stride zs), t [*, V] (row stride ts), row r scored against t[rows[r]].
