@@ -13,7 +13,9 @@ Last line: `RESULT train_tok_s=... ref_train_tok_s=... speedup=... loss_rel_diff
 ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--cost-ratio` adds
 `ttt_cost_ratio`: a full (unsampled) TTT-N forward+backward relative to a single-step one
 (goal <= N x: the unroll adds no waste beyond its N steps). `--soft-ce-ab` adds the step with the
-C soft-CE vs torch's, `--threads-ab` the C soft-CE on torch's OpenMP threads vs threads of its own.
+C soft-CE vs torch's, `--threads-ab` the C soft-CE on torch's OpenMP threads vs threads of its own,
+`--norm-ab` the draft's RMSNorm applying its weight in the input dtype (bf16 out under autocast) vs
+the fp32 product it had before (`norm_speedup`; with `--capture`: packed rows both ways, alternating).
 
 `--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
 batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
@@ -46,7 +48,7 @@ import torch
 
 from workbench.draft import soft_ce
 from workbench.draft.data import collate, collate_packed, epoch_batches, packed_epoch
-from workbench.draft.model import DraftConfig, Eagle3Draft
+from workbench.draft.model import DraftConfig, Eagle3Draft, RMSNorm
 from workbench.draft.ttt import TTTModel, keep_freed_memory, unroll_masks
 from workbench.layers import LayerIds
 
@@ -105,6 +107,51 @@ def under(env: str, m: str, fn):
             soft_ce._library.cache_clear()
 
     return run
+
+
+def fp32_norm_product(x: torch.Tensor, self) -> torch.Tensor:
+    """The draft's RMSNorm before it cast its weight to the input's dtype: under bf16 autocast
+    an fp32 weight times the bf16 normalized input gave an fp32 output (the baseline)."""
+    dt = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight * x.to(dt)
+
+
+def as_before(change: str | None, fn):
+    """fn run with one change undone: "norm" (the RMSNorm's fp32 product), or None (the code
+    as it is)."""
+
+    def run():
+        if change is None:
+            return fn()
+        owner, name, old = {
+            "norm": (RMSNorm, "forward", lambda self, x: fp32_norm_product(x, self)),
+        }[change]
+        saved = getattr(owner, name)
+        setattr(owner, name, old)
+        try:
+            return fn()
+        finally:
+            setattr(owner, name, saved)
+
+    return run
+
+
+def change_ab(change: str, step, loss, tokens: int, reps: int, clock) -> str:
+    """The current step vs the same step with `change` undone (`as_before`), interleaved."""
+    with torch.no_grad():
+        l_n, l_o = as_before(None, loss)(), as_before(change, loss)()
+    t_n, t_o = timed_min([as_before(None, step), as_before(change, step)], reps, clock)
+    print(
+        f"{change}: now {t_n * 1000:.0f} ms ({tokens / t_n:.0f} tok/s), before "
+        f"{t_o * 1000:.0f} ms ({tokens / t_o:.0f} tok/s), {t_o / t_n:.2f}x; loss "
+        f"{l_n:.6f} / {l_o:.6f}"
+    )
+    return (
+        f" {change}_now_tok_s={tokens / t_n:.1f} {change}_before_tok_s={tokens / t_o:.1f} "
+        f"{change}_speedup={t_o / t_n:.2f} {change}_loss_rel_diff={abs(l_n - l_o) / abs(l_o):.1e}"
+    )
 
 
 def soft_ce_ab(step, loss, tokens: int, reps: int, clock) -> str:
@@ -220,6 +267,11 @@ def capture_main(args) -> None:
         ],
     }  # fmt: skip
     head_rows = torch.randn(V, 576) * 0.02
+    undo = {name: None for name in plans}
+    change = "norm" if args.norm_ab else None
+    if change:  # packed rows both ways: as the code is, and with the change undone
+        plans = {"packed": plans["packed"], f"packed_before_{change}": plans["packed"]}
+        undo = {"packed": None, f"packed_before_{change}": change}
     runs = {}
     for name in plans:
         torch.manual_seed(0)
@@ -228,6 +280,9 @@ def capture_main(args) -> None:
         runs[name] = (TTTModel(draft, args.ttt, 0.8), opt)
 
     def step(name: str, make) -> int:
+        return as_before(undo[name], lambda: one_step(name, make))()
+
+    def one_step(name: str, make) -> int:
         model, opt = runs[name]
         batch = make()
         masks, idx_ = unroll_masks(batch, args.ttt, args.ttt_sample, all_tokens=True)
@@ -245,8 +300,9 @@ def capture_main(args) -> None:
     toks = {k: 0 for k in plans}
     secs = {k: 0.0 for k in plans}
     samples = {k: 0 for k in plans}
+    names = list(plans)
     for j in range(warm + n):
-        for name in ("padded", "packed") if j % 2 else ("packed", "padded"):
+        for name in names if j % 2 else names[::-1]:
             make, k = plans[name][j % len(plans[name])]
             t0 = time.perf_counter()
             got = step(name, make)
@@ -255,6 +311,19 @@ def capture_main(args) -> None:
                 toks[name] += got
                 samples[name] += k
     rate = {k: toks[k] / secs[k] for k in plans}
+    if change:
+        a, b = rate["packed"], rate[f"packed_before_{change}"]
+        what = {"norm": "RMSNorm fp32 product"}[change]
+        print(
+            f"capture {args.capture}: {len(reader)} samples, {sum(lengths)} tokens; {n} steps "
+            f"each after {warm}, alternating; packed ({args.pack_rows} x {args.seq}): now "
+            f"{a:.0f} tok/s, before ({what}) {b:.0f} tok/s"
+        )
+        print(
+            f"RESULT capture_packed_tok_s={a:.1f} capture_packed_before_{change}_tok_s={b:.1f} "
+            f"{change}_speedup={a / b:.3f}"
+        )
+        return
     print(
         f"capture {args.capture}: {len(reader)} samples, {sum(lengths)} tokens; {n} steps each "
         f"after {warm}, alternating; padded (batch {args.batch}, x64): {rate['padded']:.0f} tok/s, "
@@ -311,6 +380,8 @@ def main() -> None:
     ap.add_argument("--cost-ratio", action="store_true", help="also time full TTT-N vs 1 step")
     ap.add_argument("--soft-ce-ab", action="store_true",
                     help="also time the current step with the C vs the torch soft-CE")  # fmt: skip
+    ap.add_argument("--norm-ab", action="store_true",
+                    help="also time the norms' weight in the input dtype vs the fp32 product")  # fmt: skip
     ap.add_argument("--threads-ab", action="store_true",
                     help="also time the current step with the C soft-CE on torch's OpenMP "
                          "threads vs its own (WORKBENCH_KERNEL_THREADS auto / own)")  # fmt: skip
@@ -401,6 +472,11 @@ def main() -> None:
     if args.soft_ce_ab:
         extra += soft_ce_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
                             B * T, args.reps, clock)  # fmt: skip
+    for change in ("norm",):
+        if getattr(args, f"{change}_ab"):
+            extra += change_ab(change, train_step(False),
+                               lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
+                               B * T, args.reps, clock)  # fmt: skip
     if args.threads_ab:
         extra += threads_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
                             B * T, args.reps, clock)  # fmt: skip

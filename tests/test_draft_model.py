@@ -14,6 +14,7 @@ from workbench.draft.model import (
     DraftConfig,
     Eagle3Draft,
     KVCache,
+    RMSNorm,
     apply_rope,
     init_from_target,
 )
@@ -222,6 +223,27 @@ def test_forward_dtypes(dtype):
         assert logits.dtype == dtype and torch.isfinite(logits).all()
     ref = tiny_draft()(ids, torch.randn(2, 6, 192), torch.arange(6))[0]
     assert ref.dtype == torch.float32
+
+
+def test_rms_norm_applies_its_weight_in_the_input_dtype():
+    """Llama's formula (normalize in fp32, cast, scale) in the input's dtype: under bf16
+    autocast with fp32 master weights the output stays bf16, so no fp32 activations (and
+    their casts, forward and backward) reach the next linear; fp32 is unchanged."""
+    torch.manual_seed(0)
+    n = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        n.weight.copy_(1 + 0.1 * torch.randn(64))
+    x = torch.randn(5, 64)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(n(x), n.weight * xn)
+    xb = x.bfloat16()
+    xbn = (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = n(xb)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, n.weight.bfloat16() * xbn)
+    y.float().sum().backward()  # the fp32 master weight still gets its gradient
+    assert n.weight.grad is not None and n.weight.grad.dtype == torch.float32
 
 
 def test_init_from_target_copies_head_and_layer():

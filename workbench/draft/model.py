@@ -119,7 +119,13 @@ class DraftConfig:
 
 
 class RMSNorm(nn.Module):
-    """Llama's RMSNorm (fp32 statistics, weight applied in the input dtype)."""
+    """Llama's RMSNorm (fp32 statistics, weight applied in the input dtype).
+
+    The weight is cast to the input's dtype, so under bf16 autocast (fp32 master weights)
+    the output stays bf16: an fp32 product would make the q/k/v input, the lm_head input
+    and their gradients fp32 tensors that autocast then casts back, 1.08x the whole quick
+    training step (benchmarks/bench_train.py --norm-ab). Same values where the weight and
+    the input share a dtype (fp32 training, inference)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -130,7 +136,7 @@ class RMSNorm(nn.Module):
         dt = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dt)
+        return self.weight.to(dt) * x.to(dt)
 
 
 def rope_inv_freq(cfg: DraftConfig) -> tuple[torch.Tensor, float]:
