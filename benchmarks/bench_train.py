@@ -16,6 +16,8 @@ ttt_sample=...` (train_tok_s: the current code at the quick configuration). `--c
 C soft-CE vs torch's, `--threads-ab` the C soft-CE on torch's OpenMP threads vs threads of its own,
 `--norm-ab` the draft's RMSNorm applying its weight in the input dtype (bf16 out under autocast) vs
 the fp32 product it had before (`norm_speedup`; with `--capture`: packed rows both ways, alternating).
+`--capture --cache-ab`: the trainer's target logits kept across epochs (`TargetHead.sample_logits`,
+`--target-cache-mb`) vs one matmul per batch, timed over the second pass (`cache_speedup`).
 
 `--lengths` measures what a fixed batch hides: real batches change length every step. Fresh
 batches of capture-like lengths (log-normal, median 240, at most `--seq`; length-sorted as
@@ -47,7 +49,13 @@ import time
 import torch
 
 from workbench.draft import soft_ce
-from workbench.draft.data import collate, collate_packed, epoch_batches, packed_epoch
+from workbench.draft.data import (
+    TargetHead,
+    collate,
+    collate_packed,
+    epoch_batches,
+    packed_epoch,
+)
 from workbench.draft.model import DraftConfig, Eagle3Draft, RMSNorm
 from workbench.draft.ttt import TTTModel, keep_freed_memory, unroll_masks
 from workbench.layers import LayerIds
@@ -67,6 +75,20 @@ def smollm2_config(draft_vocab: int) -> DraftConfig:
         rms_norm_eps=1e-5,
         rope_theta=100000.0,
     )
+
+
+class StandInTarget(torch.nn.Module):
+    """What TargetHead reads of a target (a final norm, the output rows), random, at SmolLM2's
+    shapes: the capture benchmark times the trainer's target logits without loading a model."""
+
+    def __init__(self, hidden: int = 576, vocab: int = 49152) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden, 1e-5)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        torch.nn.init.normal_(self.head.weight, std=0.02)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.head
 
 
 def random_draft(draft_vocab: int) -> Eagle3Draft:
@@ -119,11 +141,11 @@ def fp32_norm_product(x: torch.Tensor, self) -> torch.Tensor:
 
 
 def as_before(change: str | None, fn):
-    """fn run with one change undone: "norm" (the RMSNorm's fp32 product), or None (the code
-    as it is)."""
+    """fn run with one change undone: "norm" (the RMSNorm's fp32 product), or None / "cache"
+    (the code as it is: the capture loop itself undoes the target-logit cache)."""
 
     def run():
-        if change is None:
+        if change in (None, "cache"):
             return fn()
         owner, name, old = {
             "norm": (RMSNorm, "forward", lambda self, x: fp32_norm_product(x, self)),
@@ -257,18 +279,19 @@ def capture_main(args) -> None:
     cpu = torch.device("cpu")
     plans = {
         "padded": [
-            (lambda gb=gb: collate(reader, gb, argmax, t2d, args.seq, cpu), len(gb))
+            (lambda h, gb=gb: collate(reader, gb, argmax, t2d, args.seq, cpu, 64, h), len(gb))
             for gb in epoch_batches(idx, lengths, args.batch, 0, 0)
         ],
         "packed": [
-            (lambda rows=rows: collate_packed(reader, rows, argmax, t2d, args.seq, cpu),
+            (lambda h, rows=rows: collate_packed(reader, rows, argmax, t2d, args.seq, cpu, 64, h),
              sum(map(len, rows)))
             for rows in packed_epoch(idx, lengths, args.seq, args.pack_rows, 0, 0)
         ],
     }  # fmt: skip
-    head_rows = torch.randn(V, 576) * 0.02
+    # the trainer's TargetHead on a stand-in target (random final norm and output rows)
+    head = TargetHead(StandInTarget(), torch.arange(V) * (49152 // V), cpu, args.target_cache_mb)
     undo = {name: None for name in plans}
-    change = "norm" if args.norm_ab else None
+    change = "norm" if args.norm_ab else "cache" if args.cache_ab else None
     if change:  # packed rows both ways: as the code is, and with the change undone
         plans = {"packed": plans["packed"], f"packed_before_{change}": plans["packed"]}
         undo = {"packed": None, f"packed_before_{change}": change}
@@ -284,10 +307,14 @@ def capture_main(args) -> None:
 
     def one_step(name: str, make) -> int:
         model, opt = runs[name]
-        batch = make()
+        # as the trainer: the batch brings its target logits (kept across epochs), except with
+        # the cache undone: one matmul over the batch, as before
+        batch = make(None if undo[name] == "cache" else head)
         masks, idx_ = unroll_masks(batch, args.ttt, args.ttt_sample, all_tokens=True)
         denom = torch.stack([m.sum() for m in masks]).float()
-        tl = batch["last_hidden"] @ head_rows.T
+        tl = batch.pop("target_logits", None)
+        if tl is None:
+            tl = head.draft_logits(batch["last_hidden"])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp == "bf16"):
             loss = model(batch, tl, masks, denom, idx=idx_, stats=False)[0]
         opt.zero_grad(set_to_none=True)
@@ -297,6 +324,8 @@ def capture_main(args) -> None:
         return int(batch["token_mask"].sum())
 
     warm, n = 8, args.capture_steps
+    if change == "cache":  # time the passes after the first, as 11 of the quick preset's 12
+        warm = len(plans["packed"])
     toks = {k: 0 for k in plans}
     secs = {k: 0.0 for k in plans}
     samples = {k: 0 for k in plans}
@@ -313,7 +342,7 @@ def capture_main(args) -> None:
     rate = {k: toks[k] / secs[k] for k in plans}
     if change:
         a, b = rate["packed"], rate[f"packed_before_{change}"]
-        what = {"norm": "RMSNorm fp32 product"}[change]
+        what = {"norm": "RMSNorm fp32 product", "cache": "target logits per batch"}[change]
         print(
             f"capture {args.capture}: {len(reader)} samples, {sum(lengths)} tokens; {n} steps "
             f"each after {warm}, alternating; packed ({args.pack_rows} x {args.seq}): now "
@@ -382,6 +411,13 @@ def main() -> None:
                     help="also time the current step with the C vs the torch soft-CE")  # fmt: skip
     ap.add_argument("--norm-ab", action="store_true",
                     help="also time the norms' weight in the input dtype vs the fp32 product")  # fmt: skip
+    ap.add_argument(
+        "--cache-ab",
+        action="store_true",
+        help="--capture: target logits kept across epochs vs one matmul per batch",
+    )
+    ap.add_argument("--target-cache-mb", type=float, default=4096.0,
+                    help="--capture: TargetHead's cache budget")  # fmt: skip
     ap.add_argument("--threads-ab", action="store_true",
                     help="also time the current step with the C soft-CE on torch's OpenMP "
                          "threads vs its own (WORKBENCH_KERNEL_THREADS auto / own)")  # fmt: skip

@@ -593,6 +593,54 @@ def test_collate_pads_to_a_multiple_of_64_within_max_len():
     assert collate(reader, [2], argmax, t2d, 100, cpu)["token_mask"].sum() == 100  # truncated
 
 
+def test_batches_bring_target_logits_sample_by_sample_and_keep_them_within_budget(env):
+    """With a TargetHead, collate and collate_packed fill `target_logits` from each whole
+    sample (zeros on padding): the values of one matmul over the batch, the same bits whether
+    the sample was kept or computed again, and no more kept than `cache_mb` allows."""
+    from workbench.draft.data import TargetHead, collate, collate_packed, target_argmax
+
+    target, reader, root = env
+    ids = torch.arange(0, 256, 2)
+    cpu = torch.device("cpu")
+    argmax = target_argmax(reader, TargetHead(target.model, ids, cpu), list(range(6)), None, {})
+    t2d = torch.ones(target.vocab_size, dtype=torch.bool)
+    one = TargetHead(target.model, ids, cpu, cache_mb=0.0)
+    per_sample = reader[0]["input_ids"].numel() * len(ids) * 4  # fp32 bytes of sample 0
+    kept = TargetHead(target.model, ids, cpu, cache_mb=1.5 * per_sample / 2**20)
+    for make in (
+        lambda h: collate(reader, [0, 1, 2], argmax, t2d, 40, cpu, 8, h),
+        lambda h: collate_packed(reader, [[0, 1], [2]], argmax, t2d, 96, cpu, 8, h),
+    ):
+        plain = make(None)
+        assert "target_logits" not in plain
+        a, b, again = make(one), make(kept), make(kept)
+        ref = one.draft_logits(plain["last_hidden"])
+        torch.testing.assert_close(a["target_logits"], ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a["target_logits"], b["target_logits"])
+        assert torch.equal(b["target_logits"], again["target_logits"])
+        assert not a["target_logits"][~a["token_mask"]].any()  # padding rows stay zero
+    assert one.cached_samples == 0 and kept.cached_samples == 1  # only sample 0 fitted
+
+
+def test_kept_target_logits_train_exactly_as_computed_ones(env):
+    """target_cache_mb only decides what is kept: the run's losses, held-out figures and
+    weights are bit-identical with a cache that holds everything and with none (packed)."""
+    target, reader, root = env
+    runs = []
+    for mb in (0.0, 64.0):
+        cfg = base_cfg(root, f"tcache{mb:g}", max_steps=10, pack_rows=1, max_len=96,
+                       target_cache_mb=mb, ckpt_every=100)  # fmt: skip
+        train(cfg, target, reader)
+        log = [json.loads(x) for x in Path(cfg.out, "log.jsonl").read_text().splitlines()]
+        runs.append(([r.get("loss") for r in log], [r.get("acc") for r in log],
+                     load_draft(cfg.out).draft.state_dict()))  # fmt: skip
+    (l0, a0, w0), (l1, a1, w1) = runs
+    assert l0 == l1 and a0 == a1
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    with pytest.raises(TrainError, match="target_cache_mb must be >= 0"):
+        train(base_cfg(root, "tcache-bad", target_cache_mb=-1.0), target, reader)
+
+
 def test_epoch_batches_partition_the_epoch_and_larger_buckets_pad_less():
     from workbench.draft.data import epoch_batches
 

@@ -95,9 +95,15 @@ class TargetHead:
     """Target final norm + lm_head: recomputes target logits from the stored pre-norm state."""
 
     def __init__(
-        self, target_model: nn.Module, draft_ids: torch.Tensor, device: torch.device
+        self,
+        target_model: nn.Module,
+        draft_ids: torch.Tensor,
+        device: torch.device,
+        cache_mb: float = 0.0,
     ) -> None:
         inner = getattr(target_model, "model", target_model)
+        self._cache: dict[int, torch.Tensor] = {}
+        self._cache_left = int(cache_mb * 2**20)
         self.norm_w = inner.norm.weight.detach().float().to(device)
         self.eps = float(getattr(inner.norm, "variance_epsilon", getattr(inner.norm, "eps", 1e-6)))
         self.full = (
@@ -114,6 +120,25 @@ class TargetHead:
     @torch.no_grad()
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.normed(h) @ self.rows.T
+
+    @torch.no_grad()
+    def sample_logits(self, i: int, last_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab target logits [n, V] of sample i, computed over the whole sample and kept
+        (fp32) while the `cache_mb` budget lasts. A preset passes over its capture many times
+        (the quick one 12), and this fp32 matmul was ~7% of a packed CPU step; a sample the
+        budget cannot hold is computed the same way each time, so the bits never depend on
+        which samples were kept."""
+        if (z := self._cache.get(i)) is not None:
+            return z
+        z = self.draft_logits(last_hidden.to(self.rows.device))
+        if z.numel() * z.element_size() <= self._cache_left:
+            self._cache[i] = z
+            self._cache_left -= z.numel() * z.element_size()
+        return z
+
+    @property
+    def cached_samples(self) -> int:
+        return len(self._cache)
 
     @torch.no_grad()
     def argmax(self, h: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -319,6 +344,7 @@ def collate_packed(
     row_len: int,
     device: torch.device,
     pad_multiple: int = 64,
+    head: TargetHead | None = None,
 ) -> dict[str, torch.Tensor]:
     """A batch of packed rows: each row holds whole samples end to end, `position_ids` restart
     at 0 per sample (and per padding tail), and the rows are right-padded to one length, the
@@ -326,7 +352,8 @@ def collate_packed(
 
     `step_masks` and `TTTModel` read `position_ids`: no position scores a token of another
     sample and attention stays inside a sample, so a packed row trains exactly as its samples
-    would in rows of their own (tested)."""
+    would in rows of their own (tested). With `head`, the batch also holds the draft-vocab
+    `target_logits` [B, T, V] (zeros on padding), sample by sample (`TargetHead.sample_logits`)."""
     samples = {i: reader[i] for row in rows for i in row}
     fill = [sum(min(int(samples[i]["input_ids"].numel()), row_len) for i in row) for row in rows]
     T = min(row_len, -(-max(fill) // pad_multiple) * pad_multiple)
@@ -342,6 +369,8 @@ def collate_packed(
         "last_hidden": torch.zeros(B, T, H),
         "position_ids": torch.zeros(B, T, dtype=torch.long),
     }
+    if head is not None:
+        out["target_logits"] = torch.zeros(B, T, head.rows.shape[0])
     for b, row in enumerate(rows):
         a = 0
         for i in row:
@@ -355,6 +384,8 @@ def collate_packed(
             out["aux_hidden"][b, sl] = s["aux_hidden"][:n].float()
             out["last_hidden"][b, sl] = s["last_hidden"][:n].float()
             out["position_ids"][b, sl] = torch.arange(n)
+            if head is not None:
+                out["target_logits"][b, sl] = head.sample_logits(i, s["last_hidden"])[:n]
             a += n
         out["position_ids"][b, a:] = torch.arange(T - a)
     return {k: v.to(device, non_blocking=True) for k, v in out.items()}
@@ -368,12 +399,14 @@ def collate(
     max_len: int,
     device: torch.device,
     pad_multiple: int = 64,
+    head: TargetHead | None = None,
 ) -> dict[str, torch.Tensor]:
     """Right-padded batch; right padding needs no attention mask under causal attention.
 
     The length is rounded up to a multiple of `pad_multiple` (at most `max_len`): on a CPU,
     oneDNN builds its GEMM kernels per shape, and a new length every step cost a 4 x 240-token
-    step about twice its compute (benchmarks/bench_train.py --lengths)."""
+    step about twice its compute (benchmarks/bench_train.py --lengths). `head`: as in
+    `collate_packed`."""
     samples = [reader[i] for i in indices]
     longest = max(int(s["input_ids"].numel()) for s in samples)
     T = min(max_len, -(-longest // pad_multiple) * pad_multiple)
@@ -386,6 +419,7 @@ def collate(
     inv = torch.zeros(B, T, dtype=torch.bool)
     aux = torch.zeros(B, T, k_h)
     last = torch.zeros(B, T, H)
+    tl = torch.zeros(B, T, head.rows.shape[0]) if head is not None else None
     for b, (i, s) in enumerate(zip(indices, samples, strict=True)):
         n = min(T, s["input_ids"].numel())
         ids[b, :n] = s["input_ids"][:n]
@@ -394,6 +428,8 @@ def collate(
         inv[b, :n] = t2d[argmax[i][:n].long()]
         aux[b, :n] = s["aux_hidden"][:n].float()
         last[b, :n] = s["last_hidden"][:n].float()
+        if tl is not None:
+            tl[b, :n] = head.sample_logits(i, s["last_hidden"])[:n]
     out = {
         "input_ids": ids,
         "loss_mask": lmask,
@@ -402,4 +438,6 @@ def collate(
         "aux_hidden": aux,
         "last_hidden": last,
     }
+    if tl is not None:
+        out["target_logits"] = tl
     return {k: v.to(device, non_blocking=True) for k, v in out.items()}

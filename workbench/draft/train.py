@@ -112,6 +112,9 @@ class TrainConfig:
     loss_on: str = "assistant"  # assistant | all (also learn the target's view of user turns)
     amp: str = "auto"  # auto (bf16 on a GPU or a CPU with native bf16, else fp32) | bf16 | off
     device: str = "auto"
+    # CPU: the draft-vocab target logits of up to this many MB of samples are kept in memory
+    # across epochs (TargetHead.sample_logits; the quick capture's take ~1.6 GB); 0 keeps none
+    target_cache_mb: float = 2048.0
     threads: int | None = None
     resume: bool = False  # continue the run in `out` from its latest checkpoint
     force: bool = False  # start afresh in `out`, moving an existing run aside (out.old-<time>)
@@ -161,6 +164,10 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"amp must be auto, bf16 or off, got {cfg.amp!r}")
     if not 0 <= cfg.val_fraction < 1:
         raise TrainError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if not (isinstance(cfg.target_cache_mb, (int, float)) and cfg.target_cache_mb >= 0):
+        raise TrainError(
+            f"target_cache_mb must be >= 0 (0: keep none), got {cfg.target_cache_mb!r}"
+        )
     if cfg.time_budget_s is not None and cfg.time_budget_s < 0:
         raise TrainError(f"time_budget_s must be >= 0 (or unset), got {cfg.time_budget_s}")
     if cfg.resume and cfg.force:
@@ -341,7 +348,11 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
     else:
         draft.embed_tokens.copy_(target.model.get_input_embeddings().weight.detach().float())
     draft.to(device)
-    head = TargetHead(target.model, vocab.ids, device)
+    # on a CPU the target logits come sample by sample with the batch (and are kept across
+    # epochs within target_cache_mb); on a GPU the matmul is cheap: once per batch, in the loop
+    on_cpu = device.type == "cpu"
+    head = TargetHead(target.model, vocab.ids, device, cfg.target_cache_mb if on_cpu else 0)
+    batch_head = head if on_cpu else None
     t2d = vocab.t2d
     key = {"capture": chash, "target": target.fingerprint}
     all_idx = list(range(len(reader)))
@@ -414,14 +425,17 @@ def _train(cfg: TrainConfig, target, reader, cap_ids: LayerIds, device, d: Dist)
         mine = gb[d.rank :: d.world]  # samples, or packed rows of samples
         if cfg.pack_rows:
             batch = collate_packed(reader, mine, argmax, t2d, cfg.max_len, device,
-                                   cfg.pad_multiple)  # fmt: skip
+                                   cfg.pad_multiple, batch_head)  # fmt: skip
             mine = [i for row in mine for i in row]
         else:
-            batch = collate(reader, mine, argmax, t2d, cfg.max_len, device, cfg.pad_multiple)
+            batch = collate(reader, mine, argmax, t2d, cfg.max_len, device, cfg.pad_multiple,
+                            batch_head)  # fmt: skip
         masks, idx = unroll_masks(batch, cfg.ttt_len, cfg.ttt_sample, cfg.loss_on == "all")
         ntok = torch.tensor([_ntok(mine, lengths, cfg.max_len)], device=device)
         counts = all_sum(torch.cat([torch.stack([m.sum() for m in masks]).float(), ntok]), d)
-        tl = head.draft_logits(batch["last_hidden"])
+        tl = batch.pop("target_logits", None)
+        if tl is None:
+            tl = head.draft_logits(batch["last_hidden"])
         log_now = (step + 1) % cfg.log_every == 0 or step + 1 == total  # only these need stats
         with amp_ctx():
             loss, st = ddp(batch, tl, masks, counts[:-1], float(d.world), idx, stats=log_now)
