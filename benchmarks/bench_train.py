@@ -141,21 +141,18 @@ def fp32_norm_product(x: torch.Tensor, self) -> torch.Tensor:
 
 
 def as_before(change: str | None, fn):
-    """fn run with one change undone: "norm" (the RMSNorm's fp32 product), or None / "cache"
-    (the code as it is: the capture loop itself undoes the target-logit cache)."""
+    """fn run with one change undone: "norm" patches back the RMSNorm's fp32 product; None and
+    "cache" run the code as it is (the capture loop itself undoes the target-logit cache)."""
 
     def run():
-        if change in (None, "cache"):
+        if change != "norm":
             return fn()
-        owner, name, old = {
-            "norm": (RMSNorm, "forward", lambda self, x: fp32_norm_product(x, self)),
-        }[change]
-        saved = getattr(owner, name)
-        setattr(owner, name, old)
+        saved = RMSNorm.forward
+        RMSNorm.forward = lambda self, x: fp32_norm_product(x, self)
         try:
             return fn()
         finally:
-            setattr(owner, name, saved)
+            RMSNorm.forward = saved
 
     return run
 
@@ -508,11 +505,10 @@ def main() -> None:
     if args.soft_ce_ab:
         extra += soft_ce_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
                             B * T, args.reps, clock)  # fmt: skip
-    for change in ("norm",):
-        if getattr(args, f"{change}_ab"):
-            extra += change_ab(change, train_step(False),
-                               lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
-                               B * T, args.reps, clock)  # fmt: skip
+    if args.norm_ab:
+        extra += change_ab("norm", train_step(False),
+                           lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
+                           B * T, args.reps, clock)  # fmt: skip
     if args.threads_ab:
         extra += threads_ab(train_step(False), lambda: float(loss_of(TTTModel(draft, args.ttt, 0.8))),
                             B * T, args.reps, clock)  # fmt: skip

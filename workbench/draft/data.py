@@ -125,9 +125,9 @@ class TargetHead:
     def sample_logits(self, i: int, last_hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab target logits [n, V] of sample i, computed over the whole sample and kept
         (fp32) while the `cache_mb` budget lasts. A preset passes over its capture many times
-        (the quick one 12), and this fp32 matmul was ~7% of a packed CPU step; a sample the
-        budget cannot hold is computed the same way each time, so the bits never depend on
-        which samples were kept."""
+        (the quick one 12), and this fp32 matmul was ~6% of a packed CPU step (bench_train
+        --cache-ab: 1.057x); a sample the budget cannot hold is computed the same way each
+        time, so the bits never depend on which samples were kept."""
         if (z := self._cache.get(i)) is not None:
             return z
         z = self.draft_logits(last_hidden.to(self.rows.device))
