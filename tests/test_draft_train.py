@@ -375,6 +375,44 @@ def test_init_lm_head_off_leaves_the_draft_head_random(env):
     assert gaps[True] < 1e-6 < 1e-2 < gaps[False]
 
 
+def test_weight_decay_shrinks_the_matrices_and_never_the_norm_gains(env):
+    """One step with and without decay: the same gradients, so every matrix differs and every
+    norm gain is bit-identical (decay is on the matrices only)."""
+    target, reader, root = env
+    w = {}
+    for wd in (0.0, 1.0):
+        cfg = base_cfg(root, f"wd{wd:g}", weight_decay=wd, max_steps=1, ckpt_every=100)
+        w[wd] = load_draft(train(cfg, target, reader)["out"]).draft.state_dict()
+    gains = [k for k in w[0.0] if k.endswith("norm.weight")]
+    mats = [k for k in w[0.0] if w[0.0][k].ndim >= 2 and k != "embed_tokens"]
+    assert len(gains) >= 3 and len(mats) >= 5
+    assert all(torch.equal(w[0.0][k], w[1.0][k]) for k in gains)
+    for k in mats:
+        assert w[1.0][k].norm() < w[0.0][k].norm(), k
+
+
+def test_a_checkpoint_with_one_optimizer_group_resumes_as_it_began(env, monkeypatch):
+    """Runs checkpointed before decay was split by parameter kind hold one AdamW group (norm
+    gains decayed too): resumed by today's code they go on that way, bit for bit."""
+    import workbench.draft.train as train_mod
+
+    target, reader, root = env
+    split_groups = train_mod.param_groups
+    monkeypatch.setattr(
+        train_mod, "param_groups", lambda d, wd, split=True: split_groups(d, wd, False)
+    )
+    cfg = base_cfg(root, "one_group", weight_decay=0.5)
+    train(cfg, target, reader)
+    killed = replace(cfg, out=str(root / "one_group_killed"), stop_after=5)
+    train(killed, target, reader)
+    monkeypatch.setattr(train_mod, "param_groups", split_groups)
+    train(replace(killed, stop_after=None, resume=True), target, reader)
+    a, b = load_draft(cfg.out).draft.state_dict(), load_draft(killed.out).draft.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    split = load_draft(train(replace(cfg, out=str(root / "two_groups")), target, reader)["out"])
+    assert not torch.equal(split.draft.norm.weight, load_draft(cfg.out).draft.norm.weight)
+
+
 def test_bad_ttt_sample_and_loss_on_are_refused(env):
     target, reader, root = env
     with pytest.raises(TrainError, match="ttt_sample"):
@@ -452,6 +490,7 @@ def test_a_second_training_into_a_locked_run_folder_is_refused(env):
         (["--draft-vocab-size", "0"], "draft_vocab_size must be an integer >= 1"),
         (["--amp", "fp8"], "amp must be auto, bf16 or off"),
         (["--lr", "-1"], "lr must be a positive number"),
+        (["--weight-decay", "-0.1"], "weight_decay must be a number >= 0"),
         (["--max-steps", "0"], "max_steps must be an integer >= 1"),
         (["--keep-ckpts", "0"], "keep_ckpts must be an integer >= 1"),
         (["--device", "cuda"], "no CUDA GPU is available"),
