@@ -127,9 +127,8 @@ class TrainConfig:
 
 
 def param_groups(draft: torch.nn.Module, weight_decay: float, split: bool = True) -> list[dict]:
-    """AdamW groups: weight decay on the matrices only. The norms' gains are scales, and
-    decaying them would pull the normalized activations toward zero. `split=False`: the one
-    group of checkpoints written before (all parameters, decayed alike)."""
+    """AdamW groups: decay on the matrices only (decayed norm gains would shrink the normalized
+    activations). `split=False`: the one group that checkpoints written before hold."""
     params = [p for p in draft.parameters() if p.requires_grad]
     if not split:
         return [{"params": params, "weight_decay": weight_decay}]
